@@ -1,0 +1,101 @@
+"""Tiny random debug models, one per supported family (like torchtitan's debug model).
+
+They build in milliseconds from a config alone (no Hub access), so tests and integration runs
+can exercise every family: 4 blocks, hidden size 64, 4 heads, vocabulary 256, no dropout.
+Each keeps the feature that makes its family special: GPT-2 and OPT tie the LM head to the
+input embedding, Llama-style models use grouped-query attention with an untied head, Mistral
+has a sliding window shorter than a test sequence, Qwen2 mixes full and sliding layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers
+
+DEBUG_FAMILIES = ("gpt2", "opt", "llama", "mistral", "qwen2")
+
+_VOCAB = 256
+_HIDDEN = 64
+_LAYERS = 4
+_HEADS = 4
+_POSITIONS = 128
+
+_LLAMA_STYLE: dict[str, Any] = dict(
+    vocab_size=_VOCAB,
+    hidden_size=_HIDDEN,
+    intermediate_size=2 * _HIDDEN,
+    num_hidden_layers=_LAYERS,
+    num_attention_heads=_HEADS,
+    num_key_value_heads=2,
+    max_position_embeddings=_POSITIONS,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+_FAMILY_KWARGS: dict[str, dict[str, Any]] = {
+    "gpt2": dict(
+        vocab_size=_VOCAB,
+        n_embd=_HIDDEN,
+        n_layer=_LAYERS,
+        n_head=_HEADS,
+        n_positions=_POSITIONS,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        summary_first_dropout=0.0,
+        tie_word_embeddings=True,
+        # GPT-2's default token ids (50256) lie outside a 256-token vocabulary.
+        bos_token_id=_VOCAB - 1,
+        eos_token_id=_VOCAB - 1,
+    ),
+    "opt": dict(
+        vocab_size=_VOCAB,
+        hidden_size=_HIDDEN,
+        word_embed_proj_dim=_HIDDEN,
+        ffn_dim=2 * _HIDDEN,
+        num_hidden_layers=_LAYERS,
+        num_attention_heads=_HEADS,
+        max_position_embeddings=_POSITIONS,
+        dropout=0.0,
+        attention_dropout=0.0,
+        layerdrop=0.0,
+        tie_word_embeddings=True,
+    ),
+    "llama": dict(_LLAMA_STYLE),
+    # A window shorter than typical test sequences, so the sliding mask changes the output.
+    "mistral": dict(_LLAMA_STYLE, sliding_window=4),
+    # max_window_layers=2: layers 0-1 use full attention, layers 2-3 sliding attention.
+    "qwen2": dict(_LLAMA_STYLE, use_sliding_window=True, sliding_window=4, max_window_layers=2),
+}
+
+
+def _check_family(family: str) -> None:
+    if family not in DEBUG_FAMILIES:
+        raise ValueError(
+            f"Unknown debug family {family!r}. Available families: {', '.join(DEBUG_FAMILIES)}."
+        )
+
+
+def debug_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
+    """A tiny random config for `family`; `overrides` replace any config field.
+
+    `attn_implementation` defaults to "sdpa"; "eager" is the other supported choice.
+    """
+    _check_family(family)
+    kwargs = dict(_FAMILY_KWARGS[family], attn_implementation="sdpa")
+    kwargs.update(overrides)
+    return transformers.AutoConfig.for_model(family, **kwargs)
+
+
+def debug_model(family: str, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+    """A randomly initialised causal LM built from `debug_config(family, **overrides)`.
+
+    The same `seed` gives the same weights, so two calls build identical models.
+    """
+    config = debug_config(family, **overrides)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config)

@@ -1,0 +1,76 @@
+"""Model adapters by `config.model_type`: how each decoder family is split into stages.
+
+Add a family by subclassing `ModelAdapter` and decorating it with `@register_adapter`
+(see docs/adding_a_model.md).
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+from .base import ModelAdapter, StageModule
+from .gpt2 import GPT2Adapter
+from .llama import LlamaAdapter, MistralAdapter, Qwen2Adapter
+from .opt import OPTAdapter
+
+ADAPTERS: dict[str, type[ModelAdapter]] = {}
+
+
+def register_adapter(cls: type[ModelAdapter]) -> type[ModelAdapter]:
+    """Register `cls` for each of its `model_types`; usable as a class decorator.
+
+    Re-registering the same class is a no-op; a type already served by another class is an
+    error (remove it from `ADAPTERS` first to replace a built-in adapter).
+    """
+    if not (isinstance(cls, type) and issubclass(cls, ModelAdapter)):
+        raise TypeError(f"register_adapter expects a ModelAdapter subclass, got {cls!r}.")
+    if not cls.model_types:
+        raise ValueError(
+            f"{cls.__name__}.model_types is empty: name the config.model_type values it serves."
+        )
+    for model_type in cls.model_types:
+        existing = ADAPTERS.get(model_type)
+        if existing is not None and existing is not cls:
+            raise ValueError(
+                f"Model type {model_type!r} is already served by {existing.__name__}; "
+                f"delete ADAPTERS[{model_type!r}] first to replace it with {cls.__name__}."
+            )
+    for model_type in cls.model_types:
+        ADAPTERS[model_type] = cls
+    return cls
+
+
+def supported_model_types() -> list[str]:
+    """The `config.model_type` values with a registered adapter, sorted."""
+    return sorted(ADAPTERS)
+
+
+def get_adapter(model: PreTrainedModel) -> ModelAdapter:
+    """The adapter for `model` (a causal LM), chosen by `model.config.model_type`."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    cls = ADAPTERS.get(model_type) if isinstance(model_type, str) else None
+    if cls is None:
+        raise ValueError(
+            f"Model type '{model_type}' is not supported. Supported model types: "
+            f"{', '.join(supported_model_types())}. See docs/adding_a_model.md to add one."
+        )
+    return cls(model)
+
+
+for _cls in (GPT2Adapter, OPTAdapter, LlamaAdapter, MistralAdapter, Qwen2Adapter):
+    register_adapter(_cls)
+del _cls
+
+__all__ = [
+    "ADAPTERS",
+    "GPT2Adapter",
+    "LlamaAdapter",
+    "MistralAdapter",
+    "ModelAdapter",
+    "OPTAdapter",
+    "Qwen2Adapter",
+    "StageModule",
+    "get_adapter",
+    "register_adapter",
+    "supported_model_types",
+]

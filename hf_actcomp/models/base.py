@@ -1,0 +1,195 @@
+"""What a model family must provide to be split into pipeline stages, and the stage module.
+
+An adapter mirrors its family's `forward` piece by piece (embeddings, the context every block
+needs, one block, the head) so that running the pieces in order reproduces the full model's
+logits and gradients exactly. The block context is rebuilt by each stage from the 2-D
+attention mask alone, so only hidden states ever cross a stage boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+
+class ModelAdapter:
+    """Base class of the per-family adapters; subclasses name their submodules and mirror forward.
+
+    Subclasses set `model_types`, `blocks_path`, and implement `_embedding_paths`,
+    `_head_paths`, `embed`, `block_context`, `run_block` and `head`.
+    """
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+    blocks_path: ClassVar[str] = ""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.config = model.config
+        try:
+            for path in (
+                self.blocks_path,
+                *self._embedding_paths(),
+                *self._head_paths(),
+                *self._context_paths(),
+            ):
+                model.get_submodule(path)
+        except AttributeError as err:
+            # E.g. a bare LlamaModel (no head) instead of LlamaForCausalLM.
+            raise ValueError(
+                f"{type(self).__name__} expects the causal LM (AutoModelForCausalLM) of "
+                f"{'/'.join(self.model_types)}; {type(model).__name__} lacks a submodule: {err}"
+            ) from err
+
+    # -- structure ---------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks())
+
+    def blocks(self) -> nn.ModuleList:
+        """The model's transformer blocks, in order."""
+        return self.model.get_submodule(self.blocks_path)
+
+    def _embedding_paths(self) -> list[str]:
+        """Dotted paths (in the model) of the modules run before block 0."""
+        raise NotImplementedError
+
+    def _head_paths(self) -> list[str]:
+        """Dotted paths (in the model) of the modules run after the last block."""
+        raise NotImplementedError
+
+    def _context_paths(self) -> list[str]:
+        """Parameter-free modules every stage needs to build its block context (rotary tables).
+
+        Registered in every stage so that moving a stage to a device moves their buffers too.
+        """
+        return []
+
+    def embedding_modules(self) -> list[nn.Module]:
+        return [self.model.get_submodule(p) for p in self._embedding_paths()]
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.model.get_submodule(p) for p in self._head_paths()]
+
+    def tied_weights(self) -> list[tuple[str, str]]:
+        """Pairs (later name, first name) of model parameters that are the same tensor.
+
+        Found by identity rather than from the config, so it reflects what the model really
+        shares (e.g. `("lm_head.weight", "transformer.wte.weight")` for GPT-2).
+        """
+        first: dict[int, str] = {}
+        pairs: list[tuple[str, str]] = []
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if id(param) in first:
+                pairs.append((name, first[id(param)]))
+            else:
+                first[id(param)] = name
+        return pairs
+
+    # -- computation -------------------------------------------------------------------------
+
+    def embed(self, input_ids: torch.LongTensor, attention_mask: Tensor | None) -> Tensor:
+        """Hidden states entering block 0, exactly as the full model computes them."""
+        raise NotImplementedError
+
+    def block_context(self, hidden: Tensor, attention_mask: Tensor | None) -> dict[str, Any]:
+        """Keyword arguments the blocks need, built from the 2-D mask and `hidden`'s shape only."""
+        raise NotImplementedError
+
+    def run_block(self, index: int, hidden: Tensor, context: dict[str, Any]) -> Tensor:
+        """Apply block `index` (global index) to `hidden`."""
+        raise NotImplementedError
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """Logits from the last block's output."""
+        raise NotImplementedError
+
+    def build_stage(self, start: int, stop: int, *, first: bool, last: bool) -> StageModule:
+        """Blocks [start, stop), with the embeddings if `first` and the head if `last`."""
+        return StageModule(self, start, stop, first=first, last=last)
+
+    # -- helpers for subclasses --------------------------------------------------------------
+
+    @staticmethod
+    def _check_mask(hidden: Tensor, attention_mask: Tensor | None) -> None:
+        if attention_mask is None:
+            return
+        if attention_mask.dim() != 2 or tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
+            raise ValueError(
+                "attention_mask must be a 2-D (batch, length) padding mask matching the "
+                f"hidden states {tuple(hidden.shape[:2])}, got shape {tuple(attention_mask.shape)}."
+            )
+
+
+class _Container(nn.Module):
+    """An empty module used only to reproduce the model's dotted paths inside a stage."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - never called
+        raise RuntimeError("_Container is a namespace, not a layer")
+
+
+def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register `module` under `root` at dotted `path`, creating containers along the way."""
+    *parents, leaf = path.split(".")
+    node = root
+    for name in parents:
+        child = node._modules.get(name)
+        if child is None:
+            child = _Container()
+            node.add_module(name, child)
+        node = child
+    node.add_module(leaf, module)
+
+
+class StageModule(nn.Module):
+    """Blocks [start, stop) of the model plus the embeddings if first and the head if last.
+
+    Holds references to the ORIGINAL submodules (no copies), so in one process the stages share
+    parameters with the model. Submodules are registered under the same dotted paths as in the
+    model, so a stage's parameter names are the model's names (`lm_head.weight` for a tied head).
+    """
+
+    def __init__(
+        self, adapter: ModelAdapter, start: int, stop: int, *, first: bool, last: bool
+    ) -> None:
+        super().__init__()
+        n = adapter.num_blocks
+        if not 0 <= start <= stop <= n:
+            raise ValueError(f"Invalid block range [{start}, {stop}) for a model with {n} blocks.")
+        if first and start != 0:
+            raise ValueError(f"The first stage must start at block 0, not {start}.")
+        if last and stop != n:
+            raise ValueError(f"The last stage must end at block {n}, not {stop}.")
+        self.start, self.stop, self.first, self.last = start, stop, first, last
+        # A plain attribute (not a submodule): the adapter's model must not be registered here.
+        self._adapter = adapter
+        paths: list[str] = []
+        if first:
+            paths += adapter._embedding_paths()
+        paths += [f"{adapter.blocks_path}.{i}" for i in range(start, stop)]
+        if last:
+            paths += adapter._head_paths()
+        paths += adapter._context_paths()
+        model = adapter.model
+        for path in paths:
+            _attach(self, path, model.get_submodule(path))
+
+    @property
+    def adapter(self) -> ModelAdapter:
+        return self._adapter
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """First stage: `x` is input_ids; otherwise hidden states. Returns logits if last."""
+        adapter = self._adapter
+        hidden = adapter.embed(x, attention_mask) if self.first else x
+        if self.stop > self.start:
+            context = adapter.block_context(hidden, attention_mask)
+            for index in range(self.start, self.stop):
+                hidden = adapter.run_block(index, hidden, context)
+        return adapter.head(hidden) if self.last else hidden
+
+    def extra_repr(self) -> str:
+        return f"blocks=[{self.start}, {self.stop}), first={self.first}, last={self.last}"

@@ -1,0 +1,353 @@
+"""Model adapters: chained stages reproduce the unsplit model's logits, loss and every gradient.
+
+The comparisons are bitwise (atol=rtol=0): the stages run the very same operations in the same
+order as the model's own forward, so any difference is a bug (a wrong position, mask, scaling
+or a missed module), not rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import hf_actcomp.models as models
+from hf_actcomp.debug import DEBUG_FAMILIES, debug_config, debug_model
+from hf_actcomp.models import (
+    ModelAdapter,
+    StageModule,
+    get_adapter,
+    register_adapter,
+    supported_model_types,
+)
+from hf_actcomp.models.llama import FULL, SLIDING, LlamaAdapter
+
+EXACT = dict(atol=0.0, rtol=0.0)
+SPLITS = {
+    "1-stage": [(0, 4)],
+    "2-stage": [(0, 2), (2, 4)],
+    "3-stage": [(0, 1), (1, 3), (3, 4)],
+}
+TIED = {
+    "gpt2": [("lm_head.weight", "transformer.wte.weight")],
+    "opt": [("lm_head.weight", "model.decoder.embed_tokens.weight")],
+    "llama": [],
+    "mistral": [],
+    "qwen2": [],
+}
+
+
+def make_batch(vocab: int, padding: str, batch: int = 3, length: int = 10) -> dict:
+    """3 sequences of length 10; rows 1 and 2 padded on the given side (or no mask at all)."""
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, vocab, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if padding == "right":
+        mask[1, 7:] = 0
+        mask[2, 4:] = 0
+    elif padding == "left":
+        mask[1, :3] = 0
+        mask[2, :6] = 0
+    labels = input_ids.masked_fill(mask == 0, -100)
+    return dict(
+        input_ids=input_ids, attention_mask=None if padding == "none" else mask, labels=labels
+    )
+
+
+def build_stages(model, split: str) -> list[StageModule]:
+    adapter = get_adapter(model)
+    ranges = SPLITS[split]
+    return [
+        adapter.build_stage(start, stop, first=i == 0, last=i == len(ranges) - 1)
+        for i, (start, stop) in enumerate(ranges)
+    ]
+
+
+def run_chain(stages: list[StageModule], batch: dict) -> torch.Tensor:
+    x = batch["input_ids"]
+    for stage in stages:
+        x = stage(x, batch["attention_mask"])
+    return x
+
+
+def assert_chain_matches_unsplit(model, split: str, batch: dict) -> None:
+    """Forward, loss and every parameter's gradient of the chained stages vs an unsplit copy."""
+    reference = copy.deepcopy(model)
+    stages = build_stages(model, split)
+    logits = run_chain(stages, batch)
+    ref = reference(**batch)
+    assert torch.isfinite(ref.loss)
+    torch.testing.assert_close(logits, ref.logits, **EXACT)
+    loss = model.loss_function(logits, batch["labels"], vocab_size=model.config.vocab_size)
+    torch.testing.assert_close(loss, ref.loss, **EXACT)
+
+    loss.backward()
+    ref.loss.backward()
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    assert names == list(ref_params)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        q = ref_params[name]
+        assert p.grad is not None and q.grad is not None, name
+        assert p.grad.abs().sum() > 0, f"{name}: zero gradient, the test would prove nothing"
+        torch.testing.assert_close(p.grad, q.grad, **EXACT, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("split", ["2-stage", "3-stage"])
+@pytest.mark.parametrize("family", DEBUG_FAMILIES)
+def test_chained_stages_match_unsplit_model_sdpa(family, split, padding):
+    model = debug_model(family)
+    assert model.config._attn_implementation == "sdpa"
+    assert_chain_matches_unsplit(model, split, make_batch(model.config.vocab_size, padding))
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("family", DEBUG_FAMILIES)
+def test_chained_stages_match_unsplit_model_eager(family, padding):
+    model = debug_model(family, attn_implementation="eager")
+    assert model.config._attn_implementation == "eager"
+    assert_chain_matches_unsplit(model, "3-stage", make_batch(model.config.vocab_size, padding))
+
+
+@pytest.mark.parametrize("family", DEBUG_FAMILIES)
+def test_chained_stages_match_without_attention_mask(family):
+    model = debug_model(family)
+    assert_chain_matches_unsplit(model, "3-stage", make_batch(model.config.vocab_size, "none"))
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        ("gpt2", dict(embd_pdrop=0.2, attn_pdrop=0.2, resid_pdrop=0.2)),
+        ("opt", dict(dropout=0.2, attention_dropout=0.2, layerdrop=0.4)),
+        ("qwen2", dict(attention_dropout=0.2)),
+    ],
+)
+def test_dropout_and_layerdrop_draw_random_numbers_in_model_order(family, overrides):
+    """With dropout (and OPT's LayerDrop) in training mode the same seed gives the same output."""
+    model = debug_model(family, **overrides).train()
+    reference = copy.deepcopy(model)
+    batch = make_batch(model.config.vocab_size, "left")
+    torch.manual_seed(123)
+    logits = run_chain(build_stages(model, "3-stage"), batch)
+    torch.manual_seed(123)
+    ref = reference(**batch)
+    torch.testing.assert_close(logits, ref.logits, **EXACT)
+    torch.manual_seed(124)
+    assert not torch.equal(ref.logits, reference(**batch).logits)  # dropout is really active
+
+
+def test_opt_with_projections_and_post_layer_norm():
+    """OPT-350m layout: project_in/project_out around a narrower tied embedding, no final norm."""
+    model = debug_model("opt", word_embed_proj_dim=32, do_layer_norm_before=False)
+    decoder = model.model.decoder
+    assert decoder.project_in is not None and decoder.final_layer_norm is None
+    adapter = get_adapter(model)
+    assert decoder.project_in in adapter.embedding_modules()
+    assert decoder.project_out in adapter.head_modules()
+    assert_chain_matches_unsplit(model, "2-stage", make_batch(model.config.vocab_size, "left"))
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("family", DEBUG_FAMILIES)
+def test_stage_parameters_partition_the_model(family, split):
+    model = debug_model(family)
+    adapter = get_adapter(model)
+    assert adapter.tied_weights() == TIED[family]
+    stages = build_stages(model, split)
+    last = len(stages) - 1
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    owners: dict[int, list[int]] = {}
+    for s, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            # Same dotted names as in the model, and the very same tensors (no copies).
+            assert by_name[name] is p, name
+            owners.setdefault(id(p), []).append(s)
+    tied = {id(by_name[a]) for pair in adapter.tied_weights() for a in pair}
+    for name, p in model.named_parameters():
+        expected = sorted({0, last}) if id(p) in tied else None
+        got = owners.get(id(p))
+        assert got is not None, f"{name} is on no stage"
+        if expected is not None:
+            assert got == expected, f"tied {name} on stages {got}"
+        else:
+            assert len(got) == 1, f"{name} on stages {got}"
+    assert set(owners) == {id(p) for p in model.parameters()}
+    if split == "1-stage":
+        assert sorted(n for n, _ in stages[0].named_parameters()) == sorted(
+            n for n, _ in model.named_parameters()
+        )
+
+
+def test_stage_module_contents():
+    model = debug_model("llama")
+    adapter = get_adapter(model)
+    assert adapter.num_blocks == 4 and adapter.blocks() is model.model.layers
+    assert adapter.embedding_modules() == [model.model.embed_tokens]
+    assert adapter.head_modules() == [model.model.norm, model.lm_head]
+    middle = adapter.build_stage(1, 3, first=False, last=False)
+    assert (middle.start, middle.stop, middle.first, middle.last) == (1, 3, False, False)
+    assert middle.get_submodule("model.layers.1") is model.model.layers[1]
+    # Rotary tables travel with every stage (buffers only), embeddings and head do not.
+    assert middle.model.rotary_emb is model.model.rotary_emb
+    assert not hasattr(middle.model, "embed_tokens") and not hasattr(middle, "lm_head")
+    assert {n.split(".")[2] for n, _ in middle.named_parameters()} == {"1", "2"}
+
+
+def test_invalid_stage_ranges_and_masks_are_rejected():
+    adapter = get_adapter(debug_model("gpt2"))
+    with pytest.raises(ValueError, match="Invalid block range"):
+        adapter.build_stage(2, 5, first=False, last=True)
+    with pytest.raises(ValueError, match="first stage must start at block 0"):
+        adapter.build_stage(1, 4, first=True, last=True)
+    with pytest.raises(ValueError, match="last stage must end"):
+        adapter.build_stage(0, 3, first=True, last=True)
+    stage = adapter.build_stage(0, 4, first=True, last=True)
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match="2-D"):
+        stage(ids, torch.ones(2, 6, dtype=torch.long))
+
+
+def test_debug_configs_exercise_each_family_feature():
+    for family in DEBUG_FAMILIES:
+        config = debug_config(family)
+        assert config.model_type == family
+        assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (4, 64, 256)
+        assert config.num_attention_heads == 4 and config.max_position_embeddings == 128
+        assert config.tie_word_embeddings == (family in ("gpt2", "opt"))
+    assert debug_config("llama").num_key_value_heads == 2
+    assert debug_config("gpt2", n_layer=2).num_hidden_layers == 2
+    qwen = get_adapter(debug_model("qwen2"))
+    assert [qwen.layer_mask_kind(i) for i in range(4)] == [FULL, FULL, SLIDING, SLIDING]
+    assert get_adapter(debug_model("mistral")).layer_mask_kind(0) == SLIDING
+    # The sliding window is shorter than the test sequences, so the exactness tests cover it.
+    batch = make_batch(256, "right")
+    for family in ("mistral", "qwen2"):
+        windowed = debug_model(family)(**batch).logits
+        full = debug_model(family, sliding_window=None, use_sliding_window=False)(**batch).logits
+        assert not torch.allclose(windowed, full)
+    # Same seed, same weights.
+    a, b = debug_model("opt", seed=3), debug_model("opt", seed=3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_debug_config_unknown_family():
+    with pytest.raises(ValueError) as info:
+        debug_config("bert")
+    assert str(info.value) == (
+        "Unknown debug family 'bert'. Available families: gpt2, opt, llama, mistral, qwen2."
+    )
+    with pytest.raises(ValueError, match="Available families"):
+        debug_model("gptj")
+
+
+def tiny_gpt_neox():
+    config = transformers.GPTNeoXConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_unsupported_model_type_lists_supported_ones():
+    assert supported_model_types() == ["gpt2", "llama", "mistral", "opt", "qwen2"]
+    with pytest.raises(ValueError) as info:
+        get_adapter(tiny_gpt_neox())
+    assert str(info.value) == (
+        "Model type 'gpt_neox' is not supported. Supported model types: gpt2, llama, mistral, "
+        "opt, qwen2. See docs/adding_a_model.md to add one."
+    )
+    bert = transformers.BertLMHeadModel(
+        transformers.BertConfig(
+            vocab_size=64,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            is_decoder=True,
+        )
+    )
+    with pytest.raises(ValueError, match="Model type 'bert' is not supported"):
+        get_adapter(bert)
+
+
+def test_base_model_without_head_is_rejected():
+    with pytest.raises(ValueError, match="expects the causal LM"):
+        get_adapter(debug_model("llama").model)
+
+
+def test_register_adapter_adds_a_family(monkeypatch):
+    """The GPT-NeoX example of docs/adding_a_model.md, held to the same exactness test."""
+    monkeypatch.setattr(models, "ADAPTERS", dict(models.ADAPTERS))
+
+    @register_adapter
+    class GPTNeoXAdapter(LlamaAdapter):
+        model_types = ("gpt_neox",)
+        blocks_path = "gpt_neox.layers"
+        embed_path = "gpt_neox.embed_in"
+        norm_path = "gpt_neox.final_layer_norm"
+        rotary_path = "gpt_neox.rotary_emb"
+
+        def _embedding_paths(self):
+            return [self.embed_path, "gpt_neox.emb_dropout"]
+
+        def embed(self, input_ids, attention_mask):
+            embeds = self._module(self.embed_path)(input_ids)
+            return self._module("gpt_neox.emb_dropout")(embeds)
+
+        def run_block(self, index, hidden, context):
+            return self.blocks()[index](
+                hidden,
+                attention_mask=context["masks"][FULL],
+                position_ids=context["position_ids"],
+                use_cache=False,
+                layer_past=None,
+                position_embeddings=context["position_embeddings"],
+            )
+
+    assert "gpt_neox" in supported_model_types()
+    model = tiny_gpt_neox()
+    assert isinstance(get_adapter(model), GPTNeoXAdapter)
+    reference = copy.deepcopy(model)
+    batch = make_batch(256, "left")
+    adapter = get_adapter(model)
+    stages = [
+        adapter.build_stage(0, 1, first=True, last=False),
+        adapter.build_stage(1, 2, first=False, last=True),
+    ]
+    logits = run_chain(stages, batch)
+    ref = reference(**batch)
+    torch.testing.assert_close(logits, ref.logits, **EXACT)
+    model.loss_function(logits, batch["labels"], vocab_size=256).backward()
+    ref.loss.backward()
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **EXACT)
+
+    with pytest.raises(ValueError, match="already served by GPT2Adapter"):
+
+        @register_adapter
+        class OtherGPT2(ModelAdapter):
+            model_types = ("gpt2",)
+
+    with pytest.raises(TypeError):
+        register_adapter(object)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+def test_gradient_checkpointing_keeps_stages_exact(family):
+    model = debug_model(family).train()
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    assert_chain_matches_unsplit(model, "3-stage", make_batch(model.config.vocab_size, "left"))
