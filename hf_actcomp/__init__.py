@@ -1,0 +1,27 @@
+"""hf-actcomp: communication-compressed pipeline training of Hugging Face decoder models."""
+
+from .codecs import available_codecs, make_codec
+from .data import add_sample_ids
+from .inference import CompressedInference, compressed_inference
+from .models import get_adapter, register_adapter, supported_model_types
+from .plan import Compression, MemoryConfig, Plan
+from .simulate import SimulatedPipeline, simulate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompressedInference",
+    "Compression",
+    "MemoryConfig",
+    "Plan",
+    "SimulatedPipeline",
+    "__version__",
+    "add_sample_ids",
+    "available_codecs",
+    "compressed_inference",
+    "get_adapter",
+    "make_codec",
+    "register_adapter",
+    "simulate",
+    "supported_model_types",
+]

@@ -8,6 +8,7 @@ attention mask alone, so only hidden states ever cross a stage boundary.
 
 from __future__ import annotations
 
+import abc
 from typing import Any, ClassVar
 
 import torch
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 
-class ModelAdapter:
+class ModelAdapter(abc.ABC):
     """Base class of the per-family adapters; subclasses name their submodules and mirror forward.
 
     Subclasses set `model_types`, `blocks_path`, and implement `_embedding_paths`,
@@ -53,13 +54,13 @@ class ModelAdapter:
         """The model's transformer blocks, in order."""
         return self.model.get_submodule(self.blocks_path)
 
+    @abc.abstractmethod
     def _embedding_paths(self) -> list[str]:
         """Dotted paths (in the model) of the modules run before block 0."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _head_paths(self) -> list[str]:
         """Dotted paths (in the model) of the modules run after the last block."""
-        raise NotImplementedError
 
     def _context_paths(self) -> list[str]:
         """Parameter-free modules every stage needs to build its block context (rotary tables).
@@ -91,21 +92,21 @@ class ModelAdapter:
 
     # -- computation -------------------------------------------------------------------------
 
+    @abc.abstractmethod
     def embed(self, input_ids: torch.LongTensor, attention_mask: Tensor | None) -> Tensor:
         """Hidden states entering block 0, exactly as the full model computes them."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def block_context(self, hidden: Tensor, attention_mask: Tensor | None) -> dict[str, Any]:
         """Keyword arguments the blocks need, built from the 2-D mask and `hidden`'s shape only."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def run_block(self, index: int, hidden: Tensor, context: dict[str, Any]) -> Tensor:
         """Apply block `index` (global index) to `hidden`."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def head(self, hidden: Tensor) -> Tensor:
         """Logits from the last block's output."""
-        raise NotImplementedError
 
     def build_stage(self, start: int, stop: int, *, first: bool, last: bool) -> StageModule:
         """Blocks [start, stop), with the embeddings if `first` and the head if `last`."""

@@ -1,0 +1,34 @@
+# Everything runs inside .venv, created on first use with the CPU build of torch first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup test lint train bench-codecs bench-convergence clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+test: setup
+	$(PY) -m pytest tests -q
+
+lint: setup
+	$(VENV)/bin/ruff check hf_actcomp tests benchmarks recipes
+
+train: setup
+	$(VENV)/bin/accelerate launch --config_file recipes/configs/cpu_single.yaml recipes/finetune_gpt2.py
+
+bench-codecs: setup
+	$(PY) benchmarks/codecs.py
+
+bench-convergence: setup
+	$(PY) benchmarks/convergence.py
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .ruff_cache

@@ -1,0 +1,54 @@
+"""Bit packing of small integer codes: `bits` bits per code, 8 codes in `bits` bytes."""
+
+from __future__ import annotations
+
+import torch
+
+
+def packed_nbytes(count: int, bits: int) -> int:
+    """Bytes that `count` codes of `bits` bits take: ceil(count / 8) * bits."""
+    return -(-count // 8) * bits
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes (< 2**bits) into a flat uint8 tensor of `packed_nbytes` bytes.
+
+    Rows of 8 codes become one integer word (code_i << bits*i), emitted as `bits` bytes; no
+    per-element Python loop, any width 1..8.
+    """
+    codes = codes.reshape(-1)
+    if bits == 8:
+        return codes.to(torch.uint8).contiguous()
+    n = codes.numel()
+    pad = (-n) % 8
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    if 8 % bits == 0:  # 1, 2, 4 bits: whole codes per byte, same layout as the general path
+        per = 8 // bits
+        rows = codes.to(torch.uint8).view(-1, per)
+        out = rows[:, 0].clone()
+        for i in range(1, per):
+            out |= rows[:, i] << (bits * i)
+        return out
+    rows = codes.view(-1, 8).to(torch.int64)
+    shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
+    words = (rows << shifts).sum(dim=1)
+    byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
+    return ((words.unsqueeze(1) >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of `pack_bits`: the first `count` codes as uint8."""
+    if bits == 8:
+        return packed[:count].to(torch.uint8)
+    if 8 % bits == 0:
+        per = 8 // bits
+        shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
+        codes = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+        return codes.reshape(-1)[:count]
+    rows = packed.reshape(-1, bits).to(torch.int64)
+    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+    words = (rows << byte_shifts).sum(dim=1)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
+    codes = (words.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(-1)[:count].to(torch.uint8)

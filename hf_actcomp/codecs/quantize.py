@@ -1,0 +1,108 @@
+"""Symmetric max-abs quantization to 1-8 bits, bit-packed, deterministic or stochastic rounding."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .base import Codec, as_bytes, from_bytes, numel, seeded_generator
+from .packing import pack_bits, packed_nbytes, unpack_bits
+
+GRANULARITIES = ("group", "channel")
+ROUNDINGS = ("deterministic", "stochastic")
+
+
+class QuantizeCodec(Codec):
+    """2**bits uniform levels spanning [-s, s], s = max |x| of each group (or hidden channel).
+
+    code = round((x / s + 1) / 2 * L), L = 2**bits - 1; x_hat = (2 * code / L - 1) * s. With
+    stochastic rounding E[x_hat] = x (the unbiased quantizer AQ-SGD's theory assumes).
+    Payload: fp32 scales, then the codes packed at `bits` bits each.
+
+    Args:
+        bits: 1..8.
+        granularity: `group` (one scale per `group_size` consecutive elements) or `channel`
+            (one scale per index of the last dimension, as in the AQ-SGD reference code).
+        group_size: elements per scale for `group`.
+        rounding: `deterministic` (nearest) or `stochastic` (unbiased).
+        seed: seed of the stochastic rounding stream.
+    """
+
+    name = "quantize"
+
+    def __init__(self, bits: int, granularity: str = "group", group_size: int = 128,
+                 rounding: str = "deterministic", seed: int = 0) -> None:
+        if not isinstance(bits, int) or not 1 <= bits <= 8:
+            raise ValueError(f"quantize bits={bits!r} is outside the allowed range 1..8.")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"quantize granularity={granularity!r} is not valid. Allowed values: {', '.join(GRANULARITIES)}.")
+        if not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"quantize group_size={group_size!r} must be a positive integer.")
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"quantize rounding={rounding!r} is not valid. Allowed values: {', '.join(ROUNDINGS)}.")
+        self.bits, self.granularity, self.group_size = bits, granularity, group_size
+        self.rounding, self.seed = rounding, seed
+        self.calls = 0
+        self.levels = (1 << bits) - 1
+
+    def _num_scales(self, shape: Sequence[int]) -> int:
+        n = numel(shape)
+        if n == 0:
+            return 0
+        if self.granularity == "channel":
+            return int(shape[-1]) if len(shape) else 1
+        return -(-n // self.group_size)
+
+    def payload_nbytes(self, shape, dtype):
+        return 4 * self._num_scales(shape) + packed_nbytes(numel(shape), self.bits)
+
+    def _rows(self, flat: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """View the data as rows that share a scale (group) or columns that do (channel)."""
+        if self.granularity == "channel":
+            width = int(shape[-1]) if len(shape) else 1
+            return flat.view(-1, width)
+        pad = (-flat.numel()) % self.group_size
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        return flat.view(-1, self.group_size)
+
+    def encode(self, x):
+        n = x.numel()
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8, device=x.device)
+        rows = self._rows(x.detach().reshape(-1).float(), x.shape)
+        dim = 0 if self.granularity == "channel" else 1
+        scales = rows.abs().amax(dim=dim, keepdim=True)
+        inv = torch.where(scales > 0, (self.levels / 2) / scales, torch.zeros_like(scales))
+        v = rows * inv + self.levels / 2  # in [0, L]
+        if self.rounding == "stochastic":
+            g = seeded_generator(x.device, self.seed, self.calls)
+            self.calls += 1
+            v.add_(torch.rand(v.shape, generator=g, device=x.device, dtype=v.dtype)).floor_()
+        else:
+            v.round_()
+        codes = v.clamp_(0, self.levels).to(torch.uint8).reshape(-1)[:n]
+        return torch.cat([as_bytes(scales.reshape(-1)), pack_bits(codes, self.bits)])
+
+    def decode(self, payload, shape, dtype):
+        n = numel(shape)
+        if n == 0:
+            return torch.empty(tuple(shape), dtype=dtype, device=payload.device)
+        num_scales = self._num_scales(shape)
+        scales = from_bytes(payload, torch.float32, num_scales)
+        codes = unpack_bits(payload[4 * num_scales :], self.bits, n)
+        if self.granularity == "group":
+            pad = (-n) % self.group_size
+            if pad:
+                codes = torch.cat([codes, codes.new_zeros(pad)])
+            rows = codes.view(-1, self.group_size)
+            scales = scales.view(-1, 1)
+        else:
+            rows = codes.view(-1, num_scales)
+            scales = scales.view(1, -1)
+        out = rows.float().mul_(2.0 / self.levels).sub_(1.0).mul_(scales)
+        return out.reshape(-1)[:n].reshape(tuple(shape)).to(dtype)
+
+    def state_dict(self):
+        return {"calls": self.calls}

@@ -1,0 +1,285 @@
+"""The state around a codec on one boundary direction: plain, error feedback, EF21 and AQ-SGD.
+
+A boundary direction is a `Sender` (on the stage that produces the tensor) and a `Receiver` (on
+the stage that consumes it). Every stateful sender holds a *mirror* receiver: an exact replica of
+what the receiver does with each payload, so both sides keep identical state (EF21 estimates,
+AQ-SGD memory) without ever exchanging it. The same objects serve the in-process simulation and
+the distributed pipeline: only the transport of the payload differs.
+
+State is kept per micro-batch `slot` for EF / EF21 (so the order in which micro-batches are
+processed does not matter) and per `sample_id` for AQ-SGD.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from .codecs import Codec, make_codec
+from .memory import MemoryStore, check_sample_ids
+from .plan import Compression, MemoryConfig
+
+logger = logging.getLogger(__name__)
+
+
+def build_codec(compression: Compression) -> Codec:
+    """The codec a `Compression` names (for `aqsgd`, its inner codec)."""
+    return make_codec(compression.codec_name, **compression.codec_params())
+
+
+def build_inference_codec(compression: Compression) -> Codec:
+    """The stateless codec used where no training state exists (evaluation, generation).
+
+    AQ-SGD has no memory for unseen inputs: it falls back to its inner codec at the same
+    setting (`inference="direct"`) or to no compression (`inference="none"`). Feedback
+    wrappers are dropped: their state belongs to training.
+    """
+    if compression.method == "aqsgd" and compression.inference == "none":
+        return make_codec("none")
+    return build_codec(compression)
+
+
+# ---------------------------------------------------------------------------------- receivers
+class Receiver:
+    """Decodes payloads of one boundary direction. The base class is stateless."""
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+
+    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype, sample_ids: torch.Tensor | None = None) -> int:
+        """Size of the next payload, known from the receiver's own state before it arrives."""
+        return self.codec.payload_nbytes(shape, dtype)
+
+    def decode(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, *,
+               sample_ids: torch.Tensor | None = None, slot: int = 0) -> torch.Tensor:
+        return self.codec.decode(payload, shape, dtype)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return _codec_state("codec", self.codec)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        _load_codec_state("codec", self.codec, state)
+
+
+class EF21Receiver(Receiver):
+    """EF21: the receiver keeps an estimate g per slot and adds each decoded correction to it."""
+
+    def __init__(self, codec: Codec) -> None:
+        super().__init__(codec)
+        self.estimates: dict[int, torch.Tensor] = {}
+
+    def current(self, slot: int, x: torch.Tensor) -> torch.Tensor:
+        """The estimate for `slot`, reset to zeros when the tensor shape changes."""
+        g = self.estimates.get(slot)
+        if g is None or g.shape != x.shape or g.device != x.device:
+            if g is not None:
+                logger.debug("EF21 state of slot %d reset: shape %s -> %s", slot, tuple(g.shape), tuple(x.shape))
+            g = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            self.estimates[slot] = g
+        return g
+
+    def decode(self, payload, shape, dtype, *, sample_ids=None, slot=0):
+        correction = self.codec.decode(payload, shape, torch.float32)
+        g = self.current(slot, correction)
+        g.add_(correction)
+        return g.to(dtype)
+
+    def state_dict(self):
+        state = super().state_dict()
+        state.update({f"estimate.{slot}": g for slot, g in self.estimates.items()})
+        return state
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.estimates = {
+            int(k.split(".", 1)[1]): v.clone().float() for k, v in state.items() if k.startswith("estimate.")
+        }
+
+
+class AQSGDReceiver(Receiver):
+    """AQ-SGD: m(xi) per sample; the payload carries Q(a - m) for seen samples, and the first-visit
+    encoding for new ones. The output, and the new m, is m + decoded delta."""
+
+    def __init__(self, compression: Compression, memory: MemoryConfig, name: str) -> None:
+        super().__init__(build_codec(compression))
+        self.first_codec = make_codec("none") if compression.first_visit == "full" else build_codec(compression)
+        self.memory = MemoryStore(memory.num_samples, memory, name=name)
+
+    def _split(self, shape: Sequence[int], sample_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids = check_sample_ids(sample_ids, self.memory.num_samples, shape[0])
+        seen = self.memory.is_seen(ids)
+        return ids, (~seen).nonzero().flatten(), seen.nonzero().flatten()
+
+    def _sizes(self, shape: Sequence[int], dtype: torch.dtype, n_new: int, n_seen: int) -> tuple[int, int]:
+        rest = tuple(shape[1:])
+        new_bytes = self.first_codec.payload_nbytes((n_new, *rest), dtype) if n_new else 0
+        seen_bytes = self.codec.payload_nbytes((n_seen, *rest), dtype) if n_seen else 0
+        return new_bytes, seen_bytes
+
+    def payload_nbytes(self, shape, dtype, sample_ids=None):
+        _, new, seen = self._split(shape, sample_ids)
+        return sum(self._sizes(shape, dtype, new.numel(), seen.numel()))
+
+    def decode(self, payload, shape, dtype, *, sample_ids=None, slot=0):
+        ids, new, seen = self._split(shape, sample_ids)
+        new_bytes, seen_bytes = self._sizes(shape, dtype, new.numel(), seen.numel())
+        if payload.numel() != new_bytes + seen_bytes:
+            raise ValueError(
+                f"AQ-SGD payload has {payload.numel()} bytes, expected {new_bytes + seen_bytes}: "
+                "sender and receiver memories are out of step."
+            )
+        rest = tuple(shape[1:])
+        out = torch.empty(tuple(shape), dtype=dtype, device=payload.device)
+        if new.numel():
+            rows = self.first_codec.decode(payload[:new_bytes], (new.numel(), *rest), dtype)
+            out.index_copy_(0, new.to(out.device), rows)
+        if seen.numel():
+            seen_ids = ids[seen]
+            delta = self.codec.decode(payload[new_bytes:], (seen.numel(), *rest), torch.float32)
+            m = self.memory.read(seen_ids, out.device, torch.float32)
+            out.index_copy_(0, seen.to(out.device), (m + delta).to(dtype))
+        self.memory.write(ids, out)
+        return out
+
+    def state_dict(self):
+        state = super().state_dict()
+        state.update({f"memory.{k}": v for k, v in self.memory.state_dict().items()})
+        return state
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.memory.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("memory.")})
+
+
+# ---------------------------------------------------------------------------------- senders
+class Sender:
+    """Encodes tensors of one boundary direction.
+
+    `mirror` (when present) replays the receiver on each payload; `last_reconstruction` is then
+    exactly what the receiver will output, used for stateful schemes and error statistics.
+    """
+
+    def __init__(self, codec: Codec, mirror: Receiver | None = None) -> None:
+        self.codec = codec
+        self.mirror = mirror
+        self.last_reconstruction: torch.Tensor | None = None
+
+    def encode(self, x: torch.Tensor, *, sample_ids: torch.Tensor | None = None, slot: int = 0) -> torch.Tensor:
+        payload = self.codec.encode(x)
+        self._replay(payload, x, sample_ids, slot)
+        return payload
+
+    def _replay(self, payload, x, sample_ids, slot) -> None:
+        if self.mirror is not None:
+            self.last_reconstruction = self.mirror.decode(payload, x.shape, x.dtype, sample_ids=sample_ids, slot=slot)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = _codec_state("codec", self.codec)
+        if self.mirror is not None:
+            state.update({f"mirror.{k}": v for k, v in self.mirror.state_dict().items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        _load_codec_state("codec", self.codec, state)
+        if self.mirror is not None:
+            self.mirror.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("mirror.")})
+
+
+class EFSender(Sender):
+    """Error feedback: send C(x + e), keep e = x + e - decoded (per slot)."""
+
+    def __init__(self, codec: Codec, mirror: Receiver) -> None:
+        super().__init__(codec, mirror)
+        self.errors: dict[int, torch.Tensor] = {}
+
+    def encode(self, x, *, sample_ids=None, slot=0):
+        e = self.errors.get(slot)
+        if e is None or e.shape != x.shape or e.device != x.device:
+            e = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        corrected = x.detach().float() + e
+        payload = self.codec.encode(corrected.to(x.dtype))
+        self._replay(payload, x, sample_ids, slot)
+        self.errors[slot] = corrected - self.last_reconstruction.float()
+        return payload
+
+    def state_dict(self):
+        state = super().state_dict()
+        state.update({f"error.{slot}": e for slot, e in self.errors.items()})
+        return state
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.errors = {int(k.split(".", 1)[1]): v.clone().float() for k, v in state.items() if k.startswith("error.")}
+
+
+class EF21Sender(Sender):
+    """EF21: send C(x - g) where g is the shared estimate; both sides then add the decoded value."""
+
+    mirror: EF21Receiver
+
+    def encode(self, x, *, sample_ids=None, slot=0):
+        g = self.mirror.current(slot, x)
+        payload = self.codec.encode((x.detach().float() - g).to(x.dtype))
+        self._replay(payload, x, sample_ids, slot)
+        return payload
+
+
+class AQSGDSender(Sender):
+    """AQ-SGD sender: new samples go out with the first-visit encoding, seen ones as Q(a - m)."""
+
+    mirror: AQSGDReceiver
+
+    def encode(self, x, *, sample_ids=None, slot=0):
+        mirror = self.mirror
+        ids, new, seen = mirror._split(x.shape, sample_ids)
+        parts = []
+        x = x.detach()
+        if new.numel():
+            parts.append(mirror.first_codec.encode(x.index_select(0, new.to(x.device))))
+        if seen.numel():
+            m = mirror.memory.read(ids[seen], x.device, torch.float32)
+            delta = x.index_select(0, seen.to(x.device)).float() - m
+            parts.append(self.codec.encode(delta.to(x.dtype)))
+        payload = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self._replay(payload, x, ids, slot)
+        return payload
+
+
+# ---------------------------------------------------------------------------------- factory
+def build_receiver(compression: Compression, memory: MemoryConfig | None = None, name: str = "boundary") -> Receiver:
+    """The receiving end of one boundary direction."""
+    if compression.method == "aqsgd":
+        if memory is None:
+            raise ValueError("AQ-SGD needs a MemoryConfig.")
+        return AQSGDReceiver(compression, memory, name=f"{name}.receiver")
+    if compression.feedback == "ef21":
+        return EF21Receiver(build_codec(compression))
+    return Receiver(build_codec(compression))
+
+
+def build_sender(compression: Compression, memory: MemoryConfig | None = None, name: str = "boundary",
+                 track_error: bool = False) -> Sender:
+    """The sending end of one boundary direction, with a mirror of the receiver when its state
+    (or `track_error`) needs the reconstruction."""
+    codec = build_codec(compression)
+    if compression.method == "aqsgd":
+        if memory is None:
+            raise ValueError("AQ-SGD needs a MemoryConfig.")
+        return AQSGDSender(codec, AQSGDReceiver(compression, memory, name=f"{name}.sender"))
+    if compression.feedback == "ef21":
+        return EF21Sender(codec, EF21Receiver(build_codec(compression)))
+    if compression.feedback == "ef":
+        return EFSender(codec, Receiver(build_codec(compression)))
+    return Sender(codec, Receiver(build_codec(compression)) if track_error else None)
+
+
+def _codec_state(prefix: str, codec: Codec) -> dict[str, torch.Tensor]:
+    return {f"{prefix}.{k}": torch.tensor(v) for k, v in codec.state_dict().items()}
+
+
+def _load_codec_state(prefix: str, codec: Codec, state: dict[str, torch.Tensor]) -> None:
+    own = {k.split(".", 1)[1]: v.item() for k, v in state.items() if k.startswith(f"{prefix}.")}
+    if own:
+        codec.load_state_dict(own)

@@ -1,0 +1,96 @@
+"""Compressed inference: the plan's forward codec at every stage boundary of an unsplit model.
+
+Forward hooks on the last block of each stage replace that block's output with its encoded and
+decoded version, so everything the model does still works, including `generate()` with the KV
+cache (each new token's activation is compressed as a pipeline would send it). Removing the
+hooks gives the original model back unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .feedback import build_inference_codec
+from .models import get_adapter
+from .plan import Plan
+from .simulate import stage_ranges
+from .telemetry import ChannelStats, summarize
+
+
+class CompressedInference:
+    """An unsplit model whose stage boundaries are compressed; undo with `remove()`.
+
+    Use it like the model (`inf(**batch)`, `inf.generate(...)`) or as a context manager::
+
+        with hf_actcomp.compressed_inference(model, plan) as inf:
+            out = inf.generate(input_ids, max_new_tokens=20)
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan) -> None:
+        self.model = model
+        self.plan = plan
+        adapter = get_adapter(model)
+        self.ranges = stage_ranges(adapter, plan)
+        blocks = adapter.blocks()
+        self.channels: dict[str, ChannelStats] = {}
+        self._handles = []
+        for index, r in enumerate(self.ranges[:-1]):
+            name = f"boundary{index}.forward"
+            self.channels[name] = ChannelStats()
+            hook = self._make_hook(name, build_inference_codec(plan.forward), build_inference_codec(plan.forward))
+            self._handles.append(blocks[r.stop - 1].register_forward_hook(hook))
+
+    def _make_hook(self, name, encoder, decoder):
+        stats = self.channels[name]
+
+        def hook(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            with stats.timing("encode"):
+                payload = encoder.encode(hidden.detach())
+            with stats.timing("decode"):
+                decoded = decoder.decode(payload, hidden.shape, hidden.dtype)
+            stats.record(hidden, payload.numel(), decoded)
+            # Straight-through so that gradients (if any) still reach earlier stages.
+            decoded = hidden + (decoded - hidden).detach()
+            return (decoded, *output[1:]) if isinstance(output, tuple) else decoded
+
+        return hook
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def generate(self, *args, **kwargs) -> torch.Tensor:
+        """`model.generate` with compressed boundaries (greedy, sampling, KV cache)."""
+        return self.model.generate(*args, **kwargs)
+
+    def stats(self) -> dict:
+        return summarize(self.channels)
+
+    def remove(self) -> nn.Module:
+        """Remove the hooks and return the original, unchanged model."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return self.model
+
+    def __enter__(self) -> CompressedInference:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def compressed_inference(model: nn.Module, plan: Plan) -> CompressedInference:
+    """Apply the plan's forward compression (its inference form) at every stage boundary of `model`.
+
+    AQ-SGD, which has no memory for new inputs, uses its inner codec (`Compression.inference=
+    "direct"`) or nothing (`"none"`); error feedback is dropped.
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a hf_actcomp.Plan, got {type(plan).__name__}.")
+    return CompressedInference(model, plan)

@@ -1,0 +1,180 @@
+"""Per-sample AQ-SGD memory: one stored activation per training sample, keyed by `sample_id`.
+
+Both sides of a boundary keep an identical store (the sender's is a mirror of the receiver's), so
+the choice of backend only changes where the bytes live: next to the model (`device`), in CPU
+memory (`host`, pinned when CUDA is used) or in a memory-mapped file (`mmap`) for data sets whose
+memory does not fit in RAM. Storage can be fp32/fp16/bf16, or int8 with one max-abs scale per
+token (the low-memory variant of the reference code). Allocation is lazy (the per-sample shape
+is known at the first write) and the size is logged before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+
+import torch
+
+from .plan import MEMORY_DTYPES, MEMORY_STORES, MemoryConfig
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+def check_sample_ids(sample_ids: torch.Tensor | None, num_samples: int, batch_size: int) -> torch.Tensor:
+    """Validate a batch's `sample_id` column and return it as a CPU int64 tensor.
+
+    AQ-SGD writes memory at these indices, so a wrong id would silently corrupt another sample's
+    memory: every problem is an error naming the bad value.
+    """
+    if sample_ids is None:
+        raise ValueError(
+            "AQ-SGD needs a 'sample_id' entry in every batch (the dataset index of each row). "
+            "Add it with hf_actcomp.add_sample_ids(dataset)."
+        )
+    if not isinstance(sample_ids, torch.Tensor):
+        sample_ids = torch.as_tensor(sample_ids)
+    if sample_ids.dtype.is_floating_point or sample_ids.dtype == torch.bool:
+        raise ValueError(f"sample_id must be an integer tensor, got dtype {sample_ids.dtype}.")
+    ids = sample_ids.reshape(-1).to("cpu", torch.int64)
+    if ids.numel() != batch_size:
+        raise ValueError(f"sample_id has {ids.numel()} entries but the batch has {batch_size} rows.")
+    if ids.numel() == 0:
+        return ids
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0:
+        raise ValueError(f"sample_id {low} is negative; ids must lie in [0, {num_samples}).")
+    if high >= num_samples:
+        raise ValueError(
+            f"sample_id {high} is out of range: memory.num_samples={num_samples}, so ids must lie "
+            f"in [0, {num_samples}). Set MemoryConfig(num_samples=len(train_dataset))."
+        )
+    if torch.unique(ids).numel() != ids.numel():
+        raise ValueError(f"sample_id has duplicates within one batch: {ids.tolist()}.")
+    return ids
+
+
+class MemoryStore:
+    """A table of `num_samples` activations with a `seen` flag per sample.
+
+    Args:
+        num_samples: rows of the table (every sample id lies in `[0, num_samples)`).
+        config: backend and storage dtype.
+        name: identifies the store in logs and names its file for `mmap`.
+    """
+
+    def __init__(self, num_samples: int, config: MemoryConfig, name: str = "memory") -> None:
+        if config.store not in MEMORY_STORES:
+            raise ValueError(f"Unknown memory store {config.store!r}; allowed: {', '.join(MEMORY_STORES)}.")
+        if config.dtype not in MEMORY_DTYPES:
+            raise ValueError(f"Unknown memory dtype {config.dtype!r}; allowed: {', '.join(MEMORY_DTYPES)}.")
+        self.num_samples = num_samples
+        self.config = config
+        self.name = name
+        self.seen = torch.zeros(num_samples, dtype=torch.bool)
+        self.sample_shape: tuple[int, ...] | None = None
+        self.values: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None  # int8 storage only: one scale per token
+
+    # ------------------------------------------------------------------ sizing and allocation
+    def nbytes_for(self, sample_shape: Sequence[int]) -> int:
+        """Bytes the table takes for samples of `sample_shape` (scales included for int8)."""
+        per_sample = math.prod(sample_shape) * _TORCH_DTYPES[self.config.dtype].itemsize
+        if self.config.dtype == "int8":
+            per_sample += math.prod(sample_shape[:-1]) * 4
+        return per_sample * self.num_samples
+
+    def _allocate(self, sample_shape: tuple[int, ...], device: torch.device) -> None:
+        nbytes = self.nbytes_for(sample_shape)
+        logger.info(
+            "AQ-SGD memory %s: %d samples x %s x %s = %.2f MiB (%s store).",
+            self.name, self.num_samples, tuple(sample_shape), self.config.dtype, nbytes / 2**20,
+            self.config.store,
+        )
+        shape = (self.num_samples, *sample_shape)
+        dtype = _TORCH_DTYPES[self.config.dtype]
+        self.values = self._new_table(shape, dtype, device, "values")
+        if self.config.dtype == "int8":
+            self.scales = self._new_table((*shape[:-1], 1), torch.float32, device, "scales")
+        self.sample_shape = sample_shape
+
+    def _new_table(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, part: str) -> torch.Tensor:
+        store = self.config.store
+        if store == "device":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        if store == "host":
+            return torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
+        directory = self.config.path or tempfile.mkdtemp(prefix="hf_actcomp_memory_")
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"{self.name.replace('/', '_')}.{part}.bin")
+        numel = math.prod(shape)
+        with open(path, "wb") as f:  # a sparse file of the right size; from_file maps it
+            f.truncate(numel * dtype.itemsize)
+        return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+
+    # ------------------------------------------------------------------ access
+    def is_seen(self, ids: torch.Tensor) -> torch.Tensor:
+        """Bool mask (CPU) of the ids that already have memory."""
+        return self.seen[ids]
+
+    def read(self, ids: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Stored activations of `ids` (CPU int64), as `dtype` on `device`."""
+        if self.values is None:
+            raise RuntimeError(f"AQ-SGD memory {self.name} was read before any write.")
+        index = ids.to(self.values.device)
+        rows = self.values.index_select(0, index).to(device, non_blocking=True)
+        if self.scales is None:
+            return rows.to(dtype)
+        scales = self.scales.index_select(0, index).to(device, non_blocking=True)
+        return (rows.to(torch.float32) * scales).to(dtype)
+
+    def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store `rows` (batch, *sample_shape) for `ids` and mark them seen."""
+        sample_shape = tuple(rows.shape[1:])
+        if self.values is None:
+            self._allocate(sample_shape, rows.device)
+        elif sample_shape != self.sample_shape:
+            raise ValueError(
+                f"AQ-SGD memory {self.name} holds samples of shape {self.sample_shape} but got "
+                f"{sample_shape}: AQ-SGD needs a fixed sequence length (pad every batch to the "
+                "same max_length)."
+            )
+        index = ids.to(self.values.device)
+        rows = rows.detach()
+        if self.scales is not None:
+            scale = rows.abs().amax(dim=-1, keepdim=True).to(torch.float32) / 127.0
+            codes = torch.round(rows.to(torch.float32) / scale.clamp_min(torch.finfo(torch.float32).tiny))
+            self.values.index_copy_(0, index, codes.clamp_(-127, 127).to(torch.int8).to(self.values.device))
+            self.scales.index_copy_(0, index, scale.to(self.scales.device))
+        else:
+            self.values.index_copy_(0, index, rows.to(self.values.dtype).to(self.values.device))
+        self.seen[ids] = True
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {"seen": self.seen.clone()}
+        if self.values is not None:
+            state["values"] = self.values
+        if self.scales is not None:
+            state["scales"] = self.scales
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        seen = state["seen"]
+        if seen.numel() != self.num_samples:
+            raise ValueError(
+                f"AQ-SGD memory {self.name}: checkpoint has {seen.numel()} samples, this plan has "
+                f"{self.num_samples}."
+            )
+        self.seen.copy_(seen)
+        if "values" in state:
+            values = state["values"]
+            if self.values is None:
+                self._allocate(tuple(values.shape[1:]), values.device)
+            self.values.copy_(values)
+            if "scales" in state:
+                self.scales.copy_(state["scales"])

@@ -1,0 +1,357 @@
+"""Configuration dataclasses: what to compress at each stage boundary and how to split the model.
+
+`Plan` is the one object a user writes (in Python, JSON or YAML); everything else in the package
+is built from it. Every field is validated in `__post_init__` so a bad value fails before any
+model is touched, with a message naming the value and the allowed ones.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "actcomp_config.json"
+FORMAT_VERSION = 1
+
+COMPRESSION_METHODS = ("aqsgd", "bf16", "fp16", "none", "quantize", "randk", "topk")
+FEEDBACK_KINDS = ("none", "ef", "ef21")
+GRANULARITIES = ("group", "channel")
+ROUNDINGS = ("deterministic", "stochastic")
+VALUE_DTYPES = ("fp16", "bf16", "fp32")
+AQSGD_INNER = ("quantize", "topk")
+FIRST_VISIT = ("full", "direct")
+INFERENCE_FALLBACK = ("direct", "none")
+SCHEDULES = ("gpipe", "1f1b")
+MEMORY_STORES = ("device", "host", "mmap")
+MEMORY_DTYPES = ("fp32", "fp16", "bf16", "int8")
+
+
+def _check_choice(owner: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{owner}.{name}={value!r} is not valid. Allowed values: {', '.join(allowed)}.")
+
+
+@dataclass
+class Compression:
+    """How one direction (forward activations or backward gradients) of every boundary is compressed.
+
+    Args:
+        method: codec name (`none`, `fp16`, `bf16`, `quantize`, `topk`, `randk`) or `aqsgd`
+            (delta against a per-sample memory, forward direction only).
+        bits: bit width 1..8 for `quantize` and for `aqsgd` with `inner="quantize"`.
+        ratio: fraction of elements kept, in (0, 1], for `topk`, `randk` and `aqsgd` with `inner="topk"`.
+        granularity: `group` (one scale per `group_size` elements) or `channel` (one scale per
+            hidden channel, as in the AQ-SGD reference code).
+        group_size: elements per scale when `granularity="group"`.
+        rounding: `deterministic` or `stochastic` (unbiased) rounding for quantization.
+        value_dtype: dtype of the values a sparsifier sends.
+        feedback: `none`, `ef` (error feedback) or `ef21`; not combinable with `aqsgd`.
+        inner: the codec AQ-SGD applies to deltas: `quantize` or `topk`.
+        first_visit: what AQ-SGD sends the first time a sample is seen: `full` (uncompressed, as
+            the reference code's warm-up epoch) or `direct` (the inner codec on the activation).
+        inference: what `aqsgd` becomes at inference, where there is no memory: `direct` (the
+            inner codec on the activation) or `none`.
+        seed: seed of stochastic rounding and random-k index streams (shared by both sides).
+    """
+
+    method: str = "none"
+    bits: int | None = None
+    ratio: float | None = None
+    granularity: str = "group"
+    group_size: int = 128
+    rounding: str = "deterministic"
+    value_dtype: str = "fp16"
+    feedback: str = "none"
+    inner: str = "quantize"
+    first_visit: str = "full"
+    inference: str = "direct"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        owner = "Compression"
+        _check_choice(owner, "method", self.method, COMPRESSION_METHODS)
+        _check_choice(owner, "feedback", self.feedback, FEEDBACK_KINDS)
+        _check_choice(owner, "granularity", self.granularity, GRANULARITIES)
+        _check_choice(owner, "rounding", self.rounding, ROUNDINGS)
+        _check_choice(owner, "value_dtype", self.value_dtype, VALUE_DTYPES)
+        _check_choice(owner, "inner", self.inner, AQSGD_INNER)
+        _check_choice(owner, "first_visit", self.first_visit, FIRST_VISIT)
+        _check_choice(owner, "inference", self.inference, INFERENCE_FALLBACK)
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"Compression.group_size={self.group_size!r} must be a positive integer.")
+        codec = self.codec_name
+        if codec == "quantize":
+            if self.bits is None:
+                raise ValueError(f"Compression(method={self.method!r}) needs bits (an integer 1..8).")
+            if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
+                raise ValueError(f"Compression.bits={self.bits!r} is outside the allowed range 1..8.")
+        if codec in ("topk", "randk"):
+            if self.ratio is None:
+                raise ValueError(f"Compression(method={self.method!r}) needs ratio in (0, 1].")
+            if not isinstance(self.ratio, (int, float)) or not 0.0 < float(self.ratio) <= 1.0:
+                raise ValueError(f"Compression.ratio={self.ratio!r} is outside the allowed range (0, 1].")
+            self.ratio = float(self.ratio)
+        if self.method == "aqsgd" and self.feedback != "none":
+            raise ValueError(
+                f"Compression.feedback={self.feedback!r} cannot be combined with method='aqsgd' "
+                "(AQ-SGD already compensates through its delta memory). Use feedback='none'."
+            )
+
+    @property
+    def codec_name(self) -> str:
+        """The codec that actually encodes tensors (for `aqsgd`, its inner codec)."""
+        return self.inner if self.method == "aqsgd" else self.method
+
+    def codec_params(self) -> dict[str, Any]:
+        """Constructor arguments of the codec named by `codec_name`."""
+        name = self.codec_name
+        if name == "quantize":
+            return dict(
+                bits=self.bits,
+                granularity=self.granularity,
+                group_size=self.group_size,
+                rounding=self.rounding,
+                seed=self.seed,
+            )
+        if name in ("topk", "randk"):
+            return dict(ratio=self.ratio, value_dtype=self.value_dtype, seed=self.seed)
+        return {}
+
+    def describe(self) -> str:
+        """Short label such as `aqsgd-quantize4` or `topk0.1+ef`, for tables and logs."""
+        name = self.codec_name
+        label = name
+        if name == "quantize":
+            label = f"quantize{self.bits}"
+        elif name in ("topk", "randk"):
+            label = f"{name}{self.ratio:g}"
+        if self.method == "aqsgd":
+            label = f"aqsgd-{label}"
+        if self.feedback != "none":
+            label += f"+{self.feedback}"
+        return label
+
+
+@dataclass
+class MemoryConfig:
+    """Where AQ-SGD keeps its per-sample activation memory.
+
+    Args:
+        store: `device` (a tensor next to the model), `host` (CPU memory, pinned when CUDA is
+            used) or `mmap` (a memory-mapped file, for data sets whose memory does not fit in RAM).
+        dtype: storage dtype: `fp32`, `fp16`, `bf16` or `int8` (per-token max-abs quantized).
+        num_samples: number of samples in the training set (`len(train_dataset)`); every
+            `sample_id` must lie in `[0, num_samples)`. Required for `aqsgd`.
+        path: directory of the memory-mapped files (`store="mmap"`); a temporary directory if None.
+    """
+
+    store: str = "host"
+    dtype: str = "fp16"
+    num_samples: int | None = None
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("MemoryConfig", "store", self.store, MEMORY_STORES)
+        _check_choice("MemoryConfig", "dtype", self.dtype, MEMORY_DTYPES)
+        if self.num_samples is not None and (
+            not isinstance(self.num_samples, int) or self.num_samples < 1
+        ):
+            raise ValueError(f"MemoryConfig.num_samples={self.num_samples!r} must be a positive integer.")
+
+
+@dataclass
+class Plan:
+    """How a model is split into pipeline stages and what crosses each stage boundary.
+
+    Args:
+        num_stages: number of pipeline stages (>= 1). Without `split_points` the blocks are
+            balanced by parameter count (embeddings count on the first stage, head on the last).
+        split_points: explicit first block index of stages 1..S-1 (strictly increasing, > 0).
+        micro_batches: micro-batches per step; each is sent across boundaries separately.
+            Defaults to `num_stages` (the fewest 1F1B accepts).
+        schedule: pipeline schedule for distributed runs: `gpipe` or `1f1b`.
+        forward: compression of activations (stage s -> s+1).
+        backward: compression of activation gradients (stage s+1 -> s); gradients usually
+            need milder compression than activations.
+        memory: AQ-SGD memory placement.
+    """
+
+    num_stages: int = 2
+    split_points: list[int] | None = None
+    micro_batches: int | None = None
+    schedule: str = "1f1b"
+    forward: Compression = field(default_factory=Compression)
+    backward: Compression = field(default_factory=Compression)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.forward, dict):
+            self.forward = Compression(**self.forward)
+        if isinstance(self.backward, dict):
+            self.backward = Compression(**self.backward)
+        if isinstance(self.memory, dict):
+            self.memory = MemoryConfig(**self.memory)
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"Plan.num_stages={self.num_stages!r} must be an integer >= 1.")
+        if self.micro_batches is None:
+            self.micro_batches = self.num_stages
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"Plan.micro_batches={self.micro_batches!r} must be an integer >= 1.")
+        _check_choice("Plan", "schedule", self.schedule, SCHEDULES)
+        if self.schedule == "1f1b" and self.num_stages > 1 and self.micro_batches < self.num_stages:
+            raise ValueError(
+                f"Plan.schedule='1f1b' needs micro_batches >= num_stages, got "
+                f"micro_batches={self.micro_batches} < num_stages={self.num_stages}. "
+                "Raise micro_batches or use schedule='gpipe'."
+            )
+        if self.split_points is not None:
+            points = list(self.split_points)
+            if len(points) != self.num_stages - 1:
+                raise ValueError(
+                    f"Plan.split_points={points} must have num_stages - 1 = {self.num_stages - 1} entries."
+                )
+            if any(not isinstance(p, int) for p in points) or any(p <= 0 for p in points):
+                raise ValueError(f"Plan.split_points={points} must be positive integers (block indices).")
+            if any(b <= a for a, b in zip(points, points[1:], strict=False)):
+                raise ValueError(f"Plan.split_points={points} must be strictly increasing.")
+            self.split_points = points
+        if self.backward.method == "aqsgd":
+            raise ValueError(
+                "Plan.backward.method='aqsgd' is not supported: AQ-SGD compresses activations; "
+                "gradients are quantized directly. Use method='quantize' for backward."
+            )
+        if self.forward.method == "aqsgd" and self.memory.num_samples is None:
+            raise ValueError(
+                "Plan.forward.method='aqsgd' needs memory.num_samples (len(train_dataset)): "
+                "AQ-SGD keeps one activation per training sample."
+            )
+
+    # ----------------------------------------------------------------------------- stages
+    def stage_ranges(self, num_blocks: int, block_costs: list[int] | None = None,
+                     first_cost: int = 0, last_cost: int = 0) -> list[range]:
+        """Block ranges of each stage for a model with `num_blocks` blocks.
+
+        Uses `split_points` when given, else balances `block_costs` (e.g. parameter counts)
+        with the embedding cost on the first stage and the head cost on the last.
+        """
+        if self.num_stages > num_blocks:
+            raise ValueError(
+                f"Plan.num_stages={self.num_stages} is more than the model's {num_blocks} blocks; "
+                f"use at most {num_blocks} stages."
+            )
+        if self.split_points is not None:
+            if self.split_points and self.split_points[-1] >= num_blocks:
+                raise ValueError(
+                    f"Plan.split_points={self.split_points} must all be < the model's {num_blocks} blocks."
+                )
+            points = self.split_points
+        else:
+            costs = block_costs if block_costs is not None else [1] * num_blocks
+            points = _balanced_split_points(costs, self.num_stages, first_cost, last_cost)
+        bounds = [0, *points, num_blocks]
+        return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+    # ----------------------------------------------------------------------------- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        data = dict(data)
+        version = data.pop("format_version", FORMAT_VERSION)
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            logger.warning(
+                "actcomp config format_version %s is newer than this hf-actcomp (%s); "
+                "unknown fields are ignored.", version, FORMAT_VERSION,
+            )
+        kwargs = _known_fields(cls, data, "Plan")
+        for key, sub in (("forward", Compression), ("backward", Compression), ("memory", MemoryConfig)):
+            if isinstance(kwargs.get(key), dict):
+                kwargs[key] = sub(**_known_fields(sub, kwargs[key], f"Plan.{key}"))
+        return cls(**kwargs)
+
+    def to_json_string(self) -> str:
+        return json.dumps({"format_version": FORMAT_VERSION, **self.to_dict()}, indent=2) + "\n"
+
+    @classmethod
+    def from_json_string(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def to_yaml_string(self) -> str:
+        return yaml.safe_dump({"format_version": FORMAT_VERSION, **self.to_dict()}, sort_keys=False)
+
+    @classmethod
+    def from_yaml_string(cls, text: str) -> Plan:
+        return cls.from_dict(yaml.safe_load(text) or {})
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> Plan:
+        """Read a plan from a `.json`, `.yaml` or `.yml` file."""
+        text = open(path, encoding="utf-8").read()
+        if str(path).endswith((".yaml", ".yml")):
+            return cls.from_yaml_string(text)
+        return cls.from_json_string(text)
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
+        """Write `actcomp_config.json` into `save_directory` (created if needed); return its path."""
+        os.makedirs(save_directory, exist_ok=True)
+        path = os.path.join(save_directory, CONFIG_NAME)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json_string())
+        return path
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> Plan:
+        """Read `actcomp_config.json` from `directory`."""
+        path = os.path.join(directory, CONFIG_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"No {CONFIG_NAME} in {directory!s}.")
+        return cls.from_json_string(open(path, encoding="utf-8").read())
+
+
+def _known_fields(cls: type, data: dict[str, Any], owner: str) -> dict[str, Any]:
+    """Drop (with a warning) keys a newer version may have added; keep the known ones."""
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        logger.warning("Ignoring unknown %s fields %s (written by a newer hf-actcomp?).", owner, unknown)
+    return {k: v for k, v in data.items() if k in names}
+
+
+def _balanced_split_points(costs: list[int], num_stages: int, first_cost: int, last_cost: int) -> list[int]:
+    """Split points minimising the largest stage cost (each stage gets at least one block).
+
+    A small dynamic programme over (blocks, stages); models have at most a few hundred blocks.
+    """
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(a: int, b: int, stage: int) -> int:
+        extra = (first_cost if stage == 0 else 0) + (last_cost if stage == num_stages - 1 else 0)
+        return prefix[b] - prefix[a] + extra
+
+    inf = float("inf")
+    # best[s][i]: minimal max cost to place blocks [0, i) on stages 0..s-1; arg stores the split.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    arg = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n - (num_stages - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], cost(j, i, s - 1))
+                if value < best[s][i]:
+                    best[s][i], arg[s][i] = value, j
+    points, i = [], n
+    for s in range(num_stages, 1, -1):
+        i = arg[s][i]
+        points.append(i)
+    return sorted(points)

@@ -1,0 +1,85 @@
+"""Counters for what crosses a boundary: bytes actually handed over, the uncompressed size, the
+relative reconstruction error and the time spent encoding and decoding."""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ChannelStats:
+    """Accumulated counters of one boundary direction."""
+
+    messages: int = 0
+    bytes_sent: int = 0
+    bytes_uncompressed: int = 0
+    squared_error: float = 0.0
+    squared_norm: float = 0.0
+    last_relative_error: float = 0.0
+    seconds_encode: float = 0.0
+    seconds_decode: float = 0.0
+
+    def record(self, x: torch.Tensor, payload_nbytes: int, x_hat: torch.Tensor | None = None) -> None:
+        """Count one message; with `x_hat`, also the error ||x - x_hat|| / ||x||."""
+        self.messages += 1
+        self.bytes_sent += int(payload_nbytes)
+        self.bytes_uncompressed += x.numel() * x.element_size()
+        if x_hat is not None:
+            x32 = x.detach().float()
+            err = float((x32 - x_hat.detach().float()).pow(2).sum())
+            norm = float(x32.pow(2).sum())
+            self.squared_error += err
+            self.squared_norm += norm
+            self.last_relative_error = math.sqrt(err / norm) if norm > 0 else 0.0
+
+    @contextmanager
+    def timing(self, kind: str):
+        """Add the block's wall time to `seconds_encode` or `seconds_decode`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            if kind == "encode":
+                self.seconds_encode += elapsed
+            else:
+                self.seconds_decode += elapsed
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.bytes_uncompressed / self.bytes_sent if self.bytes_sent else 1.0
+
+    @property
+    def relative_error(self) -> float:
+        """Error over all messages so far: sqrt(sum ||x - x_hat||^2 / sum ||x||^2)."""
+        return math.sqrt(self.squared_error / self.squared_norm) if self.squared_norm > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "messages": self.messages,
+            "bytes_sent": self.bytes_sent,
+            "bytes_uncompressed": self.bytes_uncompressed,
+            "compression_ratio": self.compression_ratio,
+            "relative_error": self.relative_error,
+            "last_relative_error": self.last_relative_error,
+            "seconds_encode": self.seconds_encode,
+            "seconds_decode": self.seconds_decode,
+        }
+
+
+def summarize(channels: dict[str, ChannelStats]) -> dict:
+    """Totals over named channels (e.g. `boundary0.forward`) plus each channel's own counters."""
+    sent = sum(c.bytes_sent for c in channels.values())
+    raw = sum(c.bytes_uncompressed for c in channels.values())
+    return {
+        "bytes_sent": sent,
+        "bytes_uncompressed": raw,
+        "compression_ratio": raw / sent if sent else 1.0,
+        "relative_error": {name: c.relative_error for name, c in channels.items()},
+        "channels": {name: c.as_dict() for name, c in channels.items()},
+    }

@@ -1,0 +1,167 @@
+"""Fine-tune a causal LM with compressed stage boundaries, launched by `accelerate launch`.
+
+Default (no network): a small GPT-2 config trained on the Python reference documentation that
+ships with CPython, with a tokenizer built locally, under AQ-SGD fw4/bw8 in the in-process
+simulated pipeline:
+
+    accelerate launch --config_file recipes/configs/cpu_single.yaml recipes/finetune_gpt2.py
+
+Real use: `--model gpt2 --dataset wikitext --dataset_config wikitext-2-raw-v1 --plan my_plan.yaml`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, default_data_collator
+
+import hf_actcomp
+from hf_actcomp.data import build_tokenizer, causal_lm_datasets, offline_corpus
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_PLAN = os.path.join(HERE, "configs", "plan_aqsgd_fw4_bw8.yaml")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="offline-gpt2",
+                   help="'offline-gpt2' (a small random-init GPT-2, no download) or a model name/path for from_pretrained")
+    p.add_argument("--dataset", default="offline",
+                   help="'offline' (CPython's reference docs) or a datasets name/path for load_dataset")
+    p.add_argument("--dataset_config", default=None)
+    p.add_argument("--text_column", default="text")
+    p.add_argument("--plan", default=DEFAULT_PLAN, help="plan YAML/JSON file")
+    p.add_argument("--num_stages", type=int, default=None, help="override the plan's num_stages")
+    p.add_argument("--micro_batches", type=int, default=None, help="override the plan's micro_batches")
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max_train_samples", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output_dir", default="outputs/finetune_gpt2")
+    p.add_argument("--report_to", default=None, help="an Accelerate tracker (tensorboard, wandb, ...)")
+    return p.parse_args(argv)
+
+
+def load_plan(path: str, num_samples: int, args: argparse.Namespace) -> hf_actcomp.Plan:
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) if path.endswith((".yaml", ".yml")) else json.load(f)
+    memory = data.setdefault("memory", {})
+    if memory.get("num_samples") is None:
+        memory["num_samples"] = num_samples
+    if args.num_stages is not None:
+        data["num_stages"] = args.num_stages
+    if args.micro_batches is not None:
+        data["micro_batches"] = args.micro_batches
+    return hf_actcomp.Plan.from_dict(data)
+
+
+def load_data(args, tokenizer=None):
+    if args.dataset == "offline":
+        texts = offline_corpus()
+        tokenizer = tokenizer or build_tokenizer(texts, vocab_size=1024)
+    else:
+        from datasets import load_dataset
+
+        raw = load_dataset(args.dataset, args.dataset_config, split="train")
+        texts = [t for t in raw[args.text_column] if t.strip()]
+    train, evaluation = causal_lm_datasets(tokenizer, texts, seq_len=args.seq_len,
+                                           max_train_samples=args.max_train_samples)
+    return tokenizer, train, evaluation
+
+
+def build_model(args, tokenizer):
+    if args.model == "offline-gpt2":
+        config = GPT2Config(vocab_size=len(tokenizer), n_positions=args.seq_len, n_embd=128, n_layer=4,
+                            n_head=4, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        return AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_pretrained(args.model)
+
+
+def evaluate(model, loader, accelerator) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in loader:
+            loss = model(**batch).loss
+            tokens = int((batch["labels"][:, 1:] != -100).sum())
+            total += loss.item() * tokens
+            count += tokens
+    model.train()
+    return total / max(count, 1)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=args.report_to,
+                              project_dir=args.output_dir)
+    set_seed(args.seed)
+    tokenizer = None if args.model == "offline-gpt2" else AutoTokenizer.from_pretrained(args.model)
+    tokenizer, train, evaluation = load_data(args, tokenizer)
+    plan = load_plan(args.plan, len(train), args)
+    model = build_model(args, tokenizer)
+    sim = hf_actcomp.simulate(model, plan)
+    accelerator.print(f"plan: forward {plan.forward.describe()}, backward {plan.backward.describe()}, "
+                      f"stages {[len(r) for r in sim.ranges]} blocks, {len(train)} train samples")
+
+    train_loader = DataLoader(train.with_format("torch"), batch_size=args.batch_size, shuffle=True,
+                              collate_fn=default_data_collator, drop_last=True)
+    eval_loader = DataLoader(evaluation.with_format("torch"), batch_size=args.batch_size,
+                             collate_fn=default_data_collator)
+    optimizer = torch.optim.AdamW(sim.parameters(), lr=args.lr)
+    sim, optimizer, train_loader, eval_loader = accelerator.prepare(sim, optimizer, train_loader, eval_loader)
+    if args.report_to:
+        accelerator.init_trackers("hf_actcomp_finetune", config=vars(args))
+    pipeline = accelerator.unwrap_model(sim)
+
+    step = 0
+    progress = tqdm(total=args.epochs * len(train_loader), disable=not accelerator.is_local_main_process)
+    for epoch in range(args.epochs):
+        for batch in train_loader:
+            loss = sim(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            stats = pipeline.stats()
+            progress.update(1)
+            progress.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", ratio=f"{stats['compression_ratio']:.1f}x")
+            accelerator.log({"train/loss": loss.item(), "comm/bytes_sent": stats["bytes_sent"],
+                             "comm/compression_ratio": stats["compression_ratio"]}, step=step)
+    progress.close()
+
+    eval_loss = evaluate(sim, eval_loader, accelerator)
+    stats = pipeline.stats()
+    result = {
+        "eval_loss": eval_loss,
+        "perplexity": math.exp(eval_loss),
+        "steps": step,
+        "bytes_sent": stats["bytes_sent"],
+        "bytes_uncompressed": stats["bytes_uncompressed"],
+        "compression_ratio": stats["compression_ratio"],
+    }
+    accelerator.log({"eval/loss": eval_loss, "eval/perplexity": result["perplexity"]}, step=step)
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        pipeline.model.save_pretrained(args.output_dir)
+        tokenizer.save_pretrained(args.output_dir)
+        plan.save_pretrained(args.output_dir)
+        with open(os.path.join(args.output_dir, "results.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        accelerator.print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

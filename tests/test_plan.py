@@ -1,0 +1,121 @@
+import json
+import logging
+
+import pytest
+
+from hf_actcomp import Compression, MemoryConfig, Plan
+from hf_actcomp.plan import CONFIG_NAME, FORMAT_VERSION
+
+
+def aqsgd_plan(**kw) -> Plan:
+    return Plan(
+        num_stages=3,
+        micro_batches=4,
+        forward=Compression("aqsgd", bits=4, first_visit="direct"),
+        backward=Compression("quantize", bits=8, rounding="stochastic"),
+        memory=MemoryConfig(store="mmap", dtype="int8", num_samples=100),
+        **kw,
+    )
+
+
+def test_json_yaml_and_pretrained_round_trip(tmp_path):
+    plan = aqsgd_plan(split_points=[1, 3])
+    assert Plan.from_json_string(plan.to_json_string()) == plan
+    assert Plan.from_yaml_string(plan.to_yaml_string()) == plan
+    path = plan.save_pretrained(tmp_path)
+    assert path.endswith(CONFIG_NAME)
+    data = json.loads(open(path).read())
+    assert data["format_version"] == FORMAT_VERSION
+    assert data["forward"]["method"] == "aqsgd"
+    assert Plan.from_pretrained(tmp_path) == plan
+    (tmp_path / "plan.yaml").write_text(plan.to_yaml_string())
+    assert Plan.from_file(tmp_path / "plan.yaml") == plan
+
+
+def test_unknown_keys_from_newer_version_warn(tmp_path, caplog):
+    data = aqsgd_plan().to_dict()
+    data["format_version"] = FORMAT_VERSION + 1
+    data["future_field"] = 1
+    data["forward"]["future_knob"] = "x"
+    with caplog.at_level(logging.WARNING, logger="hf_actcomp.plan"):
+        plan = Plan.from_dict(data)
+    assert plan == aqsgd_plan()
+    text = caplog.text
+    assert "newer" in text and "future_field" in text and "future_knob" in text
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=CONFIG_NAME):
+        Plan.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(method="zip"), "method='zip' is not valid. Allowed values: aqsgd, bf16, fp16, none, quantize, randk, topk"),
+        (dict(method="quantize"), "needs bits"),
+        (dict(method="quantize", bits=9), "bits=9 is outside the allowed range 1..8"),
+        (dict(method="quantize", bits=0), "bits=0 is outside the allowed range 1..8"),
+        (dict(method="topk", ratio=0.0), r"ratio=0.0 is outside the allowed range \(0, 1\]"),
+        (dict(method="topk", ratio=1.5), r"ratio=1.5 is outside the allowed range \(0, 1\]"),
+        (dict(method="randk"), "needs ratio"),
+        (dict(method="quantize", bits=4, rounding="up"), "rounding='up' is not valid. Allowed values: deterministic, stochastic"),
+        (dict(method="quantize", bits=4, granularity="row"), "Allowed values: group, channel"),
+        (dict(method="quantize", bits=4, group_size=0), "group_size=0"),
+        (dict(method="topk", ratio=0.1, feedback="ef3"), "Allowed values: none, ef, ef21"),
+        (dict(method="aqsgd", bits=4, feedback="ef"), "cannot be combined with method='aqsgd'"),
+        (dict(method="aqsgd", bits=4, first_visit="skip"), "Allowed values: full, direct"),
+        (dict(method="aqsgd", inner="randk", ratio=0.1), "Allowed values: quantize, topk"),
+    ],
+)
+def test_compression_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Compression(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_stages=0), "num_stages=0 must be an integer >= 1"),
+        (dict(micro_batches=0), "micro_batches=0"),
+        (dict(schedule="zb"), "schedule='zb' is not valid. Allowed values: gpipe, 1f1b"),
+        (dict(num_stages=4, micro_batches=2), "1f1b' needs micro_batches >= num_stages"),
+        (dict(num_stages=3, split_points=[2]), "must have num_stages - 1 = 2 entries"),
+        (dict(num_stages=3, split_points=[2, 2]), "strictly increasing"),
+        (dict(num_stages=2, split_points=[0]), "positive integers"),
+        (dict(backward=Compression("aqsgd", bits=4)), "backward.method='aqsgd' is not supported"),
+        (dict(forward=Compression("aqsgd", bits=4)), "needs memory.num_samples"),
+        (dict(memory={"store": "disk"}), "store='disk' is not valid. Allowed values: device, host, mmap"),
+        (dict(memory={"dtype": "int4"}), "Allowed values: fp32, fp16, bf16, int8"),
+    ],
+)
+def test_plan_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Plan(**kwargs)
+
+
+def test_gpipe_allows_few_micro_batches():
+    assert Plan(num_stages=4, micro_batches=1, schedule="gpipe").micro_batches == 1
+
+
+def test_stage_ranges_explicit_and_balanced():
+    plan = Plan(num_stages=3, micro_batches=3, split_points=[1, 3])
+    assert plan.stage_ranges(4) == [range(0, 1), range(1, 3), range(3, 4)]
+    with pytest.raises(ValueError, match="must all be < the model's 3 blocks"):
+        plan.stage_ranges(3)
+    with pytest.raises(ValueError, match="more than the model's 2 blocks"):
+        plan.stage_ranges(2)
+    balanced = Plan(num_stages=2)
+    assert balanced.stage_ranges(4) == [range(0, 2), range(2, 4)]
+    # A heavy embedding on the first stage pushes blocks to the second.
+    assert balanced.stage_ranges(4, [10] * 4, first_cost=20) == [range(0, 1), range(1, 4)]
+    # Costs [1]*6 with a head of 2: the best split has max stage cost 3 and one block last.
+    ranges = Plan(num_stages=3, micro_batches=3).stage_ranges(6, [1] * 6, first_cost=0, last_cost=2)
+    assert ranges[-1] == range(5, 6)
+    assert max(len(r) for r in ranges) == 3 and sum(len(r) for r in ranges) == 6
+
+
+def test_describe_labels():
+    assert Compression("aqsgd", bits=4).describe() == "aqsgd-quantize4"
+    assert Compression("topk", ratio=0.1, feedback="ef").describe() == "topk0.1+ef"
+    assert Compression().describe() == "none"
