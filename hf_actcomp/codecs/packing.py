@@ -6,8 +6,8 @@ import torch
 
 
 def packed_nbytes(count: int, bits: int) -> int:
-    """Bytes that `count` codes of `bits` bits take: ceil(count / 8) * bits."""
-    return -(-count // 8) * bits
+    """Bytes that `count` codes of `bits` bits take: ceil(count / 8) * bits (count for 8 bits)."""
+    return count if bits == 8 else -(-count // 8) * bits
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:

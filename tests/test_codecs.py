@@ -1,0 +1,182 @@
+"""Codecs: exact payload sizes, error bounds, unbiasedness, exact top-k, shared-seed random-k."""
+
+import math
+
+import pytest
+import torch
+
+from hf_actcomp.codecs import available_codecs, make_codec
+from hf_actcomp.codecs.packing import pack_bits, packed_nbytes, unpack_bits
+from hf_actcomp.codecs.sparsify import index_width
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+SHAPES = [(3, 5, 7), (2, 16, 32), (1000,), (0, 4)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+CODEC_PARAMS = [
+    ("none", {}),
+    ("fp16", {}),
+    ("bf16", {}),
+    ("quantize", dict(bits=1)),
+    ("quantize", dict(bits=3, granularity="channel")),
+    ("quantize", dict(bits=4, rounding="stochastic", group_size=32)),
+    ("quantize", dict(bits=8)),
+    ("topk", dict(ratio=0.1)),
+    ("topk", dict(ratio=0.5, value_dtype="fp32")),
+    ("randk", dict(ratio=0.3, value_dtype="bf16")),
+]
+
+
+def test_registry_lists_all_codecs():
+    assert available_codecs() == ["bf16", "fp16", "none", "quantize", "randk", "topk"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name, params", CODEC_PARAMS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_payload_size_is_exact(device, name, params, shape, dtype):
+    encoder, decoder = make_codec(name, **params), make_codec(name, **params)
+    x = torch.randn(shape, device=device).to(dtype)
+    original = x.clone()
+    payload = encoder.encode(x)
+    assert payload.dtype == torch.uint8 and payload.dim() == 1 and payload.is_contiguous()
+    assert payload.numel() == encoder.payload_nbytes(shape, dtype)
+    assert payload.device == x.device
+    out = decoder.decode(payload, shape, dtype)
+    assert out.shape == x.shape and out.dtype == dtype and out.device == x.device
+    assert torch.equal(x, original)
+
+
+def test_explicit_sizes():
+    shape = (8, 1024, 768)
+    n = 8 * 1024 * 768
+    q4 = make_codec("quantize", bits=4)
+    assert q4.payload_nbytes(shape, torch.float32) == 4 * n // 128 + n * 4 // 8
+    assert q4.payload_nbytes(shape, torch.float32) * 8 / n <= 4.3
+    assert make_codec("quantize", bits=3, granularity="channel").payload_nbytes(shape, torch.float32) == 4 * 768 + n * 3 // 8
+    assert make_codec("quantize", bits=5).payload_nbytes((10,), torch.float32) == 4 + 2 * 5  # 1 scale, 2 rows of 8 codes
+    assert index_width(200) == 1 and index_width(256) == 1 and index_width(257) == 2
+    assert index_width(70000) == 3 and index_width(2**32 + 1) == 5
+    assert make_codec("topk", ratio=0.1).payload_nbytes((200,), torch.float32) == 20 * (2 + 1)
+    assert make_codec("topk", ratio=0.1).payload_nbytes((70000,), torch.float32) == 7000 * (2 + 3)
+    assert make_codec("randk", ratio=0.1).payload_nbytes((70000,), torch.float32) == 7000 * 2
+    assert make_codec("none").payload_nbytes((3, 4), torch.bfloat16) == 24
+
+
+def test_none_is_bitwise_exact_and_halves_round():
+    x = torch.randn(4, 33) * 100
+    codec = make_codec("none")
+    assert torch.equal(codec.decode(codec.encode(x), x.shape, x.dtype), x)
+    for name, tol in (("fp16", 1e-3), ("bf16", 8e-3)):
+        c = make_codec(name)
+        out = c.decode(c.encode(x), x.shape, x.dtype)
+        assert ((out - x).abs() <= tol * x.abs() + 1e-6).all()
+    fp16 = make_codec("fp16")
+    big = torch.tensor([1e6, -1e6, 1.0])
+    assert fp16.decode(fp16.encode(big), (3,), torch.float32).tolist() == [65504.0, -65504.0, 1.0]
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("count", [1, 7, 8, 13, 1000])
+def test_pack_unpack_round_trip(bits, count):
+    codes = torch.randint(0, 2**bits, (count,), dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.numel() == packed_nbytes(count, bits) == (count if bits == 8 else math.ceil(count / 8) * bits)
+    assert torch.equal(unpack_bits(packed, bits, count), codes)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("granularity", ["group", "channel"])
+def test_quantize_error_bound(bits, granularity):
+    torch.manual_seed(bits)
+    x = torch.randn(6, 10, 48) * torch.linspace(0.1, 10, 48)
+    codec = make_codec("quantize", bits=bits, granularity=granularity, group_size=64)
+    out = codec.decode(codec.encode(x), x.shape, x.dtype)
+    levels = 2**bits - 1
+    if granularity == "channel":
+        scale = x.abs().amax(dim=(0, 1), keepdim=True)
+    else:
+        flat = x.reshape(-1, 64)
+        scale = flat.abs().amax(dim=1, keepdim=True).expand_as(flat).reshape(x.shape)
+    assert ((out - x).abs() <= scale / levels * (1 + 1e-5) + 1e-6).all()
+
+
+def test_quantize_zero_group_and_levels():
+    codec = make_codec("quantize", bits=2, group_size=4)
+    x = torch.tensor([0.0, 0.0, 0.0, 0.0, -3.0, -1.0, 1.0, 3.0])
+    out = codec.decode(codec.encode(x), x.shape, x.dtype)
+    expected = torch.tensor([0.0, 0.0, 0.0, 0.0, -3.0, -1.0, 1.0, 3.0])  # levels -s, -s/3, s/3, s
+    assert torch.equal(out[:4], expected[:4])
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+
+
+def test_stochastic_rounding_is_unbiased_and_resumable():
+    torch.manual_seed(0)
+    x = torch.randn(256)
+    codec = make_codec("quantize", bits=2, rounding="stochastic", seed=3)
+    mean = torch.stack([codec.decode(codec.encode(x), x.shape, x.dtype) for _ in range(2000)]).mean(0)
+    deterministic = make_codec("quantize", bits=2)
+    biased = deterministic.decode(deterministic.encode(x), x.shape, x.dtype)
+    assert (mean - x).abs().max() < 0.08 < (biased - x).abs().max()
+    a = make_codec("quantize", bits=3, rounding="stochastic", seed=5)
+    a.encode(x)
+    b = make_codec("quantize", bits=3, rounding="stochastic", seed=5)
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a.encode(x), b.encode(x))
+    assert not torch.equal(a.encode(x), make_codec("quantize", bits=3, rounding="stochastic", seed=6).encode(x))
+
+
+@pytest.mark.parametrize("n, ratio", [(200_000, 0.01), (200_000, 0.1), (200_000, 0.3), (500, 0.1)])
+def test_topk_selects_exactly_the_top_k(n, ratio):
+    torch.manual_seed(n)
+    x = torch.randn(n)
+    codec = make_codec("topk", ratio=ratio, value_dtype="fp32")
+    out = codec.decode(codec.encode(x), x.shape, x.dtype)
+    k = round(ratio * n)
+    expected = torch.topk(x.abs(), k).indices
+    assert set(out.nonzero().flatten().tolist()) == set(expected.tolist())
+    assert torch.equal(out[expected], x[expected])
+
+
+def test_topk_fallback_when_the_sample_misleads():
+    # Heavy mass in a few spikes: the sampled threshold keeps too few candidates at first.
+    x = torch.zeros(100_000)
+    x[::1000] = torch.arange(1, 101, dtype=torch.float32)
+    x += 1e-3 * torch.randn(100_000)
+    codec = make_codec("topk", ratio=0.3, value_dtype="fp32")
+    out = codec.decode(codec.encode(x), x.shape, x.dtype)
+    expected = torch.topk(x.abs(), 30_000).indices
+    assert set(out.nonzero().flatten().tolist()) == set(expected.tolist())
+
+
+def test_randk_sides_agree_through_shared_seed():
+    sender, receiver = make_codec("randk", ratio=0.25, value_dtype="fp32", seed=7), make_codec("randk", ratio=0.25, value_dtype="fp32", seed=7)
+    supports = []
+    for _ in range(3):
+        x = torch.randn(64, 8)
+        out = receiver.decode(sender.encode(x), x.shape, x.dtype)
+        kept = out != 0
+        assert kept.sum() == 128
+        assert torch.equal(out[kept], x[kept])
+        supports.append(kept)
+    assert not torch.equal(supports[0], supports[1])  # a fresh index set per call
+    other = make_codec("randk", ratio=0.25, value_dtype="fp32", seed=8)
+    x = torch.randn(64, 8)
+    assert not torch.equal(other.decode(make_codec("randk", ratio=0.25, value_dtype="fp32", seed=7).encode(x), x.shape, x.dtype), receiver.decode(sender.encode(x), x.shape, x.dtype))
+
+
+@pytest.mark.parametrize(
+    "name, params, message",
+    [
+        ("zip", {}, "Unknown codec 'zip'. Available codecs: bf16, fp16, none, quantize, randk, topk"),
+        ("quantize", dict(bits=9), "bits=9 is outside the allowed range 1..8"),
+        ("quantize", dict(bits=4, rounding="up"), "rounding='up' is not valid. Allowed values: deterministic, stochastic"),
+        ("quantize", dict(bits=4, granularity="row"), "Allowed values: group, channel"),
+        ("topk", dict(ratio=0), r"ratio=0 is outside the allowed range \(0, 1\]"),
+        ("randk", dict(ratio=0.1, value_dtype="int8"), "Allowed values: fp16, bf16, fp32"),
+        ("none", dict(bits=4), r"Codec 'none' does not take \['bits'\]"),
+    ],
+)
+def test_bad_codec_arguments(name, params, message):
+    with pytest.raises(ValueError, match=message):
+        make_codec(name, **params)
