@@ -75,14 +75,15 @@ class QuantizeCodec(Codec):
         dim = 0 if self.granularity == "channel" else 1
         scales = rows.abs().amax(dim=dim, keepdim=True)
         inv = torch.where(scales > 0, (self.levels / 2) / scales, torch.zeros_like(scales))
-        v = rows * inv + self.levels / 2  # in [0, L]
         if self.rounding == "stochastic":
             g = seeded_generator(x.device, self.seed, self.calls)
             self.calls += 1
-            v.add_(torch.rand(v.shape, generator=g, device=x.device, dtype=v.dtype)).floor_()
+            v = torch.rand(rows.shape, generator=g, device=x.device).add_(self.levels / 2)
+            v = torch.addcmul(v, rows, inv).clamp_(0, self.levels)  # floor(v + U) by truncation below
         else:
-            v.round_()
-        codes = v.clamp_(0, self.levels).to(torch.uint8).reshape(-1)[:n]
+            # round(v) == trunc(v + 0.5) for v >= 0; max-abs scaling keeps v + 0.5 in [0, L + 1).
+            v = torch.addcmul(torch.tensor(self.levels / 2 + 0.5, device=x.device), rows, inv)
+        codes = v.to(torch.uint8).reshape(-1)[:n]
         return torch.cat([as_bytes(scales.reshape(-1)), pack_bits(codes, self.bits)])
 
     def decode(self, payload, shape, dtype):
@@ -101,7 +102,7 @@ class QuantizeCodec(Codec):
         else:
             rows = codes.view(-1, num_scales)
             scales = scales.view(1, -1)
-        out = rows.float().mul_(2.0 / self.levels).sub_(1.0).mul_(scales)
+        out = torch.addcmul(-scales, rows.float(), scales * (2.0 / self.levels))  # (2c/L - 1) s
         return out.reshape(-1)[:n].reshape(tuple(shape)).to(dtype)
 
     def state_dict(self):

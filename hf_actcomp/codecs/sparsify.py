@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -36,13 +38,21 @@ def _values_to_bytes(values: torch.Tensor, value_dtype: str) -> torch.Tensor:
 
 
 def _pack_indices(indices: torch.Tensor, width: int) -> torch.Tensor:
-    shifts = torch.arange(width, device=indices.device, dtype=torch.int64) * 8
-    return ((indices.unsqueeze(1) >> shifts) & 0xFF).to(torch.uint8).reshape(-1)
+    """Little-endian `width`-byte indices: the low bytes of an int32 (or int64) view."""
+    wide = torch.int32 if width <= 4 else torch.int64
+    raw = indices.to(wide).contiguous().view(torch.uint8).view(-1, wide.itemsize)
+    if sys.byteorder != "little":  # keep the wire format little-endian everywhere
+        raw = raw.flip(1)
+    return raw[:, :width].reshape(-1)
 
 
 def _unpack_indices(data: torch.Tensor, width: int) -> torch.Tensor:
-    shifts = torch.arange(width, device=data.device, dtype=torch.int64) * 8
-    return (data.view(-1, width).to(torch.int64) << shifts).sum(dim=1)
+    wide = torch.int32 if width <= 4 else torch.int64
+    raw = torch.zeros(data.numel() // width, wide.itemsize, dtype=torch.uint8, device=data.device)
+    raw[:, :width] = data.view(-1, width)
+    if sys.byteorder != "little":
+        raw = raw.flip(1).contiguous()
+    return raw.view(wide).reshape(-1).to(torch.int64)
 
 
 def _scatter(values: torch.Tensor, indices: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -54,15 +64,14 @@ def _scatter(values: torch.Tensor, indices: torch.Tensor, shape: Sequence[int], 
 class TopKCodec(Codec):
     """The k = ratio * n largest magnitudes of the flattened tensor.
 
-    Selection is exact but avoids a full `torch.topk`: a threshold estimated from a random
-    sample keeps a candidate set a little larger than k in one pass, and `topk` runs on the
-    candidates only (falling back to the full tensor if the estimate kept too few).
+    Selection is exact but avoids a full `torch.topk`: thresholds estimated from a random
+    sample bracket the k-th largest magnitude, and `topk` ranks only the elements between them
+    (falling back to the full tensor if the estimate missed).
     Payload: k values in `value_dtype`, then k indices of `index_width(n)` bytes each.
     """
 
     name = "topk"
     sample_size = 4096
-    margin = 1.3  # candidates kept per wanted element, so the estimate rarely falls short
 
     def __init__(self, ratio: float, value_dtype: str = "fp16", seed: int = 0) -> None:
         _check(ratio, value_dtype, "topk")
@@ -74,19 +83,34 @@ class TopKCodec(Codec):
         return keep_count(self.ratio, n) * (VALUE_DTYPES[self.value_dtype].itemsize + index_width(n))
 
     def select(self, flat: torch.Tensor, k: int) -> torch.Tensor:
-        """Indices of the k largest |flat| (the same set torch.topk returns)."""
+        """Indices of the k largest |flat| (the same set torch.topk returns).
+
+        Two thresholds from a sorted random sample bracket the k-th magnitude: everything above
+        `high` is kept outright, and `topk` only ranks the thin band between `low` and `high`.
+        """
         n = flat.numel()
         magnitude = flat.abs()
-        if n > 4 * self.sample_size and k * self.margin < n / 2:
+        if n > 4 * self.sample_size:
             g = seeded_generator(flat.device, self.seed, self.calls)
             self.calls += 1
             sample = magnitude[torch.randint(0, n, (self.sample_size,), generator=g, device=flat.device)]
-            rank = min(self.sample_size - 1, int(self.sample_size * k * self.margin / n) + 1)
-            threshold = torch.topk(sample, rank, sorted=True).values[-1]
-            candidates = (magnitude >= threshold).nonzero().squeeze(1)
-            if candidates.numel() >= k:
-                best = torch.topk(magnitude[candidates], k, sorted=False).indices
-                return candidates[best]
+            sample = sample.sort(descending=True).values
+            rank = self.sample_size * k / n  # expected rank of the k-th magnitude in the sample
+            spread = 4.0 * math.sqrt(rank * (1 - k / n)) + 2  # ~4 standard deviations
+            high = sample[min(self.sample_size - 1, int(rank - spread))] if rank - spread >= 0 else None
+            low = sample[int(rank + spread)] if rank + spread < self.sample_size else None
+            above = magnitude > high if high is not None else None
+            num_above = int(above.sum()) if above is not None else 0
+            band = (magnitude >= low) if low is not None else torch.ones_like(magnitude, dtype=torch.bool)
+            if above is not None:
+                band &= ~above
+            band_idx = band.nonzero().squeeze(1)
+            needed = k - num_above
+            if 0 <= needed <= band_idx.numel():
+                best = band_idx[torch.topk(magnitude[band_idx], needed, sorted=False).indices]
+                if above is None:
+                    return best
+                return torch.cat([above.nonzero().squeeze(1), best])
         return torch.topk(magnitude, k, sorted=False).indices
 
     def encode(self, x):
@@ -112,7 +136,8 @@ class TopKCodec(Codec):
 
 class RandKCodec(Codec):
     """k = ratio * n values at random positions; both sides draw the positions from the shared
-    seed and their own call counter, so only the values are sent. Values are not rescaled by
+    seed and their own call counter, so only the values are sent. Positions are stratified (one
+    per n/k elements), which is O(k) and keeps each element with probability k / n. Values are not rescaled by
     n / k: meant for use with error feedback, which returns what was dropped later."""
 
     name = "randk"
@@ -126,9 +151,14 @@ class RandKCodec(Codec):
         return keep_count(self.ratio, numel(shape)) * VALUE_DTYPES[self.value_dtype].itemsize
 
     def _indices(self, n: int, device: torch.device) -> torch.Tensor:
+        """One random position in each of k equal strata of [0, n): O(k), no full permutation,
+        and every element is kept with probability k / n."""
+        k = keep_count(self.ratio, n)
         g = seeded_generator(device, self.seed, self.calls)
         self.calls += 1
-        return torch.randperm(n, generator=g, device=device)[: keep_count(self.ratio, n)]
+        u = torch.rand(k, generator=g, device=device, dtype=torch.float64)
+        positions = (torch.arange(k, device=device, dtype=torch.float64) + u) * (n / k)
+        return positions.floor_().to(torch.int64).clamp_(max=n - 1)
 
     def encode(self, x):
         n = x.numel()
