@@ -5,7 +5,7 @@ that ships with CPython (tokenizer built locally), from the same initialisation 
 once per compression setting. For each setting: final eval loss / perplexity evaluated both with
 the plan's compression at inference and without it, bytes sent per step, and the loss curve.
 
-    .venv/bin/python benchmarks/convergence.py            # ~10 minutes on 2 cores
+    .venv/bin/python benchmarks/convergence.py            # ~12 minutes on 2 cores
     .venv/bin/python benchmarks/convergence.py --quick    # a smoke run
 
 Writes benchmarks/results/convergence.{json,md,png}.
@@ -51,7 +51,7 @@ def settings(num_samples: int) -> dict[str, tuple[Compression, Compression]]:
 def make_model(vocab: int, seq_len: int, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = GPT2Config(vocab_size=vocab, n_positions=seq_len, n_embd=128, n_layer=4, n_head=4,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -173,8 +173,8 @@ def write_outputs(rows: list[dict], args) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--train_samples", type=int, default=768)
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--train_samples", type=int, default=1024)
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-3)

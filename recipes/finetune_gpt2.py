@@ -38,15 +38,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dataset", default="offline",
                    help="'offline' (CPython's reference docs) or a datasets name/path for load_dataset")
     p.add_argument("--dataset_config", default=None)
+    p.add_argument("--data_files", default=None, help="local files for a builder such as 'text' or 'json'")
     p.add_argument("--text_column", default="text")
     p.add_argument("--plan", default=DEFAULT_PLAN, help="plan YAML/JSON file")
     p.add_argument("--num_stages", type=int, default=None, help="override the plan's num_stages")
     p.add_argument("--micro_batches", type=int, default=None, help="override the plan's micro_batches")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--max_train_samples", type=int, default=256)
+    p.add_argument("--max_train_samples", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="outputs/finetune_gpt2")
     p.add_argument("--report_to", default=None, help="an Accelerate tracker (tensorboard, wandb, ...)")
@@ -73,7 +74,7 @@ def load_data(args, tokenizer=None):
     else:
         from datasets import load_dataset
 
-        raw = load_dataset(args.dataset, args.dataset_config, split="train")
+        raw = load_dataset(args.dataset, args.dataset_config, data_files=args.data_files, split="train")
         texts = [t for t in raw[args.text_column] if t.strip()]
     train, evaluation = causal_lm_datasets(tokenizer, texts, seq_len=args.seq_len,
                                            max_train_samples=args.max_train_samples)

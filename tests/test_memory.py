@@ -70,3 +70,13 @@ def test_sample_id_errors(ids, message):
 def test_read_before_write_is_an_error():
     with pytest.raises(RuntimeError, match="read before any write"):
         MemoryStore(2, MemoryConfig(num_samples=2)).read(torch.tensor([0]), torch.device("cpu"), torch.float32)
+
+
+def test_size_is_logged_before_allocation(caplog):
+    import logging
+
+    mem = MemoryStore(1000, MemoryConfig(num_samples=1000, dtype="fp16"), name="boundary0")
+    assert mem.nbytes_for((128, 768)) == 1000 * 128 * 768 * 2
+    with caplog.at_level(logging.INFO, logger="hf_actcomp.memory"):
+        mem.write(torch.tensor([0]), torch.zeros(1, 128, 768))
+    assert "boundary0: 1000 samples x (128, 768) x fp16 = 187.50 MiB (host store)" in caplog.text
