@@ -4,6 +4,7 @@ from .codecs import available_codecs, make_codec
 from .data import add_sample_ids
 from .inference import CompressedInference, compressed_inference
 from .models import get_adapter, register_adapter, supported_model_types
+from .pipeline import PeerTimeoutError, Pipeline, StepOutput, prepare
 from .plan import Compression, MemoryConfig, Plan
 from .simulate import SimulatedPipeline, simulate
 
@@ -13,14 +14,18 @@ __all__ = [
     "CompressedInference",
     "Compression",
     "MemoryConfig",
+    "PeerTimeoutError",
+    "Pipeline",
     "Plan",
     "SimulatedPipeline",
+    "StepOutput",
     "__version__",
     "add_sample_ids",
     "available_codecs",
     "compressed_inference",
     "get_adapter",
     "make_codec",
+    "prepare",
     "register_adapter",
     "simulate",
     "supported_model_types",

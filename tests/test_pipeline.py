@@ -1,0 +1,141 @@
+"""The multi-process pipeline (gloo, tiny models): exactness, agreement with simulate(), state
+and failure handling. Each test launches its own worker processes with a timeout."""
+
+import json
+
+import pytest
+import torch
+from distributed import run_workers
+from pipeline_cases import COMPRESSED_PLANS, padded_batch, training_batches
+from safetensors.torch import load_file
+
+from hf_actcomp import simulate
+from hf_actcomp.debug import DEBUG_FAMILIES, debug_model
+from hf_actcomp.pipeline import stage_actions
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_identity_codec_matches_unsplit_model(tmp_path, num_stages):
+    """Every family, GPipe and 1F1B, padding and tied embeddings: loss and every parameter's
+    gradient on every stage equal the unsplit model's."""
+    run_workers("pipeline_worker.py", num_stages, ["exact", str(tmp_path), str(num_stages)], timeout=400)
+    for family in DEBUG_FAMILIES:
+        reference = debug_model(family, seed=0)
+        batch = padded_batch(reference.config.vocab_size)
+        loss = reference(**{k: v for k, v in batch.items() if k != "sample_id"}).loss
+        loss.backward()
+        ref_grads = dict(reference.named_parameters(remove_duplicate=False))
+        for schedule in ("gpipe", "1f1b"):
+            seen = set()
+            for rank in range(num_stages):
+                got = load_file(tmp_path / f"{family}-{schedule}-rank{rank}.safetensors")
+                torch.testing.assert_close(got["loss"][0], loss.detach(), atol=1e-6, rtol=1e-6)
+                for key, grad in got.items():
+                    if key.startswith("grad."):
+                        name = key[5:]
+                        torch.testing.assert_close(grad, ref_grads[name].grad, atol=1e-5, rtol=1e-4,
+                                                   msg=lambda m, n=f"{family}/{schedule}/{name}": f"{n}: {m}")
+                        seen.add(name)
+            assert seen == set(ref_grads), f"{family}: parameters missing on every stage: {set(ref_grads) - seen}"
+
+
+@pytest.mark.parametrize("plan_name", ["aqsgd", "topk_ef"])
+def test_compressed_run_matches_simulation(tmp_path, plan_name):
+    """Same plan, seed and batches: the 2-process run gives simulate()'s losses; sender and
+    receiver AQ-SGD memories stay identical after every step."""
+    steps = 6
+    run_workers("pipeline_worker.py", 2, ["compressed", str(tmp_path), plan_name, str(steps), "1f1b"])
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result == json.loads((tmp_path / "rank1.json").read_text()) | {"stats": result["stats"]}
+
+    model = debug_model("gpt2", seed=0)
+    sim = simulate(model, COMPRESSED_PLANS[plan_name]("1f1b"))
+    optimizer = torch.optim.SGD(sim.parameters(), lr=0.1)
+    expected = []
+    for batch in training_batches(model.config.vocab_size, steps):
+        loss = sim(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(sim.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    assert result["losses"] == pytest.approx(expected, rel=1e-4)
+    assert result["losses"][-1] < result["losses"][0]
+
+    if plan_name == "aqsgd":
+        for sums in result["checksums"]:
+            assert sums["boundary0.sender"] == sums["boundary0.receiver"] != 0.0
+    stats, sim_stats = result["stats"], sim.stats()
+    for channel in ("boundary0.forward", "boundary0.backward"):
+        assert stats["channels"][channel]["bytes_sent"] == sim_stats["channels"][channel]["bytes_sent"]
+        assert stats["relative_error"][channel] == pytest.approx(sim_stats["relative_error"][channel], rel=1e-3)
+    assert stats["compression_ratio"] > 2
+    assert set(stats["stages"]) == {"0", "1"}
+    for timing in stats["stages"].values():
+        assert timing["steps"] == steps and 0 <= timing["seconds_waiting"] <= timing["seconds_step"]
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    """2 steps, save model + compression state, new processes, load, 2 steps == 4 steps."""
+    run_workers("pipeline_worker.py", 2, ["resume", str(tmp_path), "full"])
+    run_workers("pipeline_worker.py", 2, ["resume", str(tmp_path), "first"])
+    shards = sorted(p.name for p in (tmp_path / "ckpt" / "actcomp_state").glob("*.safetensors"))
+    assert any("-of-" in name for name in shards), shards  # small max_shard_size: sharded
+    run_workers("pipeline_worker.py", 2, ["resume", str(tmp_path), "second"])
+    for rank in range(2):
+        full = load_file(tmp_path / f"full-rank{rank}.safetensors")
+        second = load_file(tmp_path / f"second-rank{rank}.safetensors")
+        assert full.keys() == second.keys()
+        for key in full:
+            torch.testing.assert_close(second[key], full[key], atol=1e-6, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+        full_losses = json.loads((tmp_path / f"full-rank{rank}.json").read_text())["losses"]
+        second_losses = json.loads((tmp_path / f"second-rank{rank}.json").read_text())["losses"]
+        assert second_losses == pytest.approx(full_losses[2:], rel=1e-6)
+
+
+def test_dead_peer_fails_fast_with_a_clear_error(tmp_path):
+    results = run_workers("pipeline_worker.py", 2, ["dead_peer", str(tmp_path)], timeout=120, check=False)
+    assert [r.returncode for r in results] == [4, 3]
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert "with rank 1" in report["error"] and "dead, hung or slower than the timeout" in report["error"]
+    assert report["seconds"] < 30
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("num_stages, micro_batches", [(2, 2), (3, 4), (4, 4), (4, 7)])
+def test_schedules_run_each_micro_batch_once_in_dependency_order(schedule, num_stages, micro_batches):
+    """Replay all stages' actions with blocking receives and non-blocking sends: no deadlock,
+    each micro-batch forward before its backward, at most S - s in flight under 1F1B."""
+    actions = [stage_actions(schedule, s, num_stages, micro_batches) for s in range(num_stages)]
+    done, pos = set(), [0] * num_stages
+    while any(pos[s] < len(actions[s]) for s in range(num_stages)):
+        progressed = False
+        for s in range(num_stages):
+            if pos[s] == len(actions[s]):
+                continue
+            kind, i = actions[s][pos[s]]
+            ready = (("F", s - 1, i) in done or s == 0) if kind == "F" else (
+                ("B", s + 1, i) in done or s == num_stages - 1) and ("F", s, i) in done
+            if ready:
+                done.add((kind, s, i))
+                pos[s] += 1
+                progressed = True
+        assert progressed, f"deadlock at {pos}"
+    for s in range(num_stages):
+        assert sorted(actions[s]) == sorted([("F", i) for i in range(micro_batches)] +
+                                            [("B", i) for i in range(micro_batches)])
+        if schedule == "1f1b":
+            in_flight = peak = 0
+            for kind, _ in actions[s]:
+                in_flight += 1 if kind == "F" else -1
+                peak = max(peak, in_flight)
+            assert peak <= num_stages - s
+
+
+def test_prepare_without_distributed_is_a_clear_error():
+    import hf_actcomp
+
+    with pytest.raises(RuntimeError, match="needs torch.distributed to be initialised"):
+        hf_actcomp.prepare(debug_model("gpt2"), hf_actcomp.Plan(num_stages=2))
+
+

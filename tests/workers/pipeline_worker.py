@@ -1,0 +1,138 @@
+"""Worker of the multi-process pipeline tests: `python pipeline_worker.py SCENARIO OUT_DIR [...]`.
+
+Each scenario writes what the parent test compares (grads, losses, checksums) to OUT_DIR as
+safetensors / JSON, one file per rank.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+import hf_actcomp
+from hf_actcomp import Plan
+from hf_actcomp.debug import DEBUG_FAMILIES, debug_model
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pipeline_cases import COMPRESSED_PLANS, padded_batch, training_batches  # noqa: E402
+
+
+def exact(out_dir: str, num_stages: int) -> None:
+    """Identity codec: one train_step per family and schedule; save each stage's grads + loss."""
+    rank = dist.get_rank()
+    for family in DEBUG_FAMILIES:
+        for schedule in ("gpipe", "1f1b"):
+            model = debug_model(family, seed=0)
+            plan = Plan(num_stages=num_stages, micro_batches=num_stages, schedule=schedule)
+            pipe = hf_actcomp.prepare(model, plan, timeout=60)
+            out = pipe.train_step(padded_batch(model.config.vocab_size))
+            tensors = {f"grad.{n}": p.grad for n, p in pipe.stage.named_parameters()}
+            tensors["loss"] = out.loss.reshape(1)
+            save_file({k: v.contiguous() for k, v in tensors.items()},
+                      os.path.join(out_dir, f"{family}-{schedule}-rank{rank}.safetensors"))
+
+
+def memory_checksums(pipe) -> dict:
+    """Checksums of the AQ-SGD memory this rank holds: the sender's mirror and the receiver's."""
+    sums = {}
+    if pipe.forward_sender is not None and hasattr(pipe.forward_sender.mirror, "memory"):
+        mem = pipe.forward_sender.mirror.memory
+        sums[f"boundary{pipe.stage_index}.sender"] = float(mem.values.double().sum()) if mem.values is not None else 0.0
+    if pipe.forward_receiver is not None and hasattr(pipe.forward_receiver, "memory"):
+        mem = pipe.forward_receiver.memory
+        sums[f"boundary{pipe.stage_index - 1}.receiver"] = float(mem.values.double().sum()) if mem.values is not None else 0.0
+    return sums
+
+
+def compressed(out_dir: str, plan_name: str, steps: int, schedule: str) -> None:
+    """Train a few steps under a compressed plan; record losses and memory checksums per step."""
+    rank = dist.get_rank()
+    model = debug_model("gpt2", seed=0)
+    plan = COMPRESSED_PLANS[plan_name](schedule)
+    pipe = hf_actcomp.prepare(model, plan, timeout=60)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    losses, checksums = [], []
+    for batch in training_batches(model.config.vocab_size, steps):
+        out = pipe.train_step(batch)
+        pipe.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(out.loss.item())
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, memory_checksums(pipe))
+        merged = {}
+        for p in parts:
+            merged.update(p)
+        checksums.append(merged)
+    stats = pipe.stats(gather=True)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"losses": losses, "checksums": checksums, "stats": stats}, f)
+
+
+def resume(out_dir: str, phase: str) -> None:
+    """`full`: 4 steps. `first`: 2 steps then save. `second`: load, then steps 3-4."""
+    rank = dist.get_rank()
+    plan = COMPRESSED_PLANS["aqsgd"]("1f1b")
+    batches = list(training_batches(256, 4))
+    if phase == "second":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "ckpt"))
+        assert Plan.from_pretrained(os.path.join(out_dir, "ckpt")) == plan
+    else:
+        model = debug_model("gpt2", seed=0)
+    pipe = hf_actcomp.prepare(model, plan, timeout=60)
+    if phase == "second":
+        pipe.load_compression_state(os.path.join(out_dir, "ckpt", "actcomp_state"))
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    todo = {"full": batches, "first": batches[:2], "second": batches[2:]}[phase]
+    losses = []
+    for batch in todo:
+        losses.append(pipe.train_step(batch).loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    if phase == "first":
+        pipe.save_pretrained(os.path.join(out_dir, "ckpt"), model=model)
+        pipe.save_compression_state(os.path.join(out_dir, "ckpt", "actcomp_state"), max_shard_size=20_000)
+    if phase != "first":
+        tensors = {f"param.{n}": p.detach().clone() for n, p in pipe.stage.named_parameters()}
+        tensors.update({f"state.{k}": v for k, v in pipe.compression_state_dict().items()})
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  os.path.join(out_dir, f"{phase}-rank{rank}.safetensors"))
+    with open(os.path.join(out_dir, f"{phase}-rank{rank}.json"), "w") as f:
+        json.dump({"losses": losses}, f)
+
+
+def dead_peer(out_dir: str) -> None:
+    """The last rank dies before the first step; the others must fail with a clear error."""
+    model = debug_model("gpt2", seed=0)
+    plan = Plan(num_stages=dist.get_world_size(), micro_batches=2, schedule="gpipe")
+    pipe = hf_actcomp.prepare(model, plan, timeout=5)
+    if pipe.is_last:
+        os._exit(3)
+    start = time.perf_counter()
+    try:
+        pipe.train_step(padded_batch(model.config.vocab_size))
+    except hf_actcomp.PeerTimeoutError as err:
+        with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"error": str(err), "seconds": time.perf_counter() - start}, f)
+        os._exit(4)
+
+
+def main() -> None:
+    scenario, out_dir, *rest = sys.argv[1:]
+    dist.init_process_group("gloo")
+    {"exact": lambda: exact(out_dir, int(rest[0])),
+     "compressed": lambda: compressed(out_dir, rest[0], int(rest[1]), rest[2]),
+     "resume": lambda: resume(out_dir, rest[0]),
+     "dead_peer": lambda: dead_peer(out_dir)}[scenario]()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
