@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test lint train bench-codecs bench-convergence clean
+.PHONY: setup test lint train bench-codecs bench-convergence bench-slow-link clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,13 +22,16 @@ lint: setup
 	$(VENV)/bin/ruff check hf_actcomp tests benchmarks recipes
 
 train: setup
-	$(VENV)/bin/accelerate launch --config_file recipes/configs/cpu_single.yaml recipes/finetune_gpt2.py
+	$(VENV)/bin/accelerate launch --config_file recipes/configs/cpu_2stage.yaml recipes/finetune_gpt2.py
 
 bench-codecs: setup
 	$(PY) benchmarks/codecs.py
 
 bench-convergence: setup
 	$(PY) benchmarks/convergence.py
+
+bench-slow-link: setup
+	$(PY) benchmarks/slow_link.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache

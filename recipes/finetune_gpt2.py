@@ -1,12 +1,14 @@
 """Fine-tune a causal LM with compressed stage boundaries, launched by `accelerate launch`.
 
 Default (no network): a small GPT-2 config trained on the Python reference documentation that
-ships with CPython, with a tokenizer built locally, under AQ-SGD fw4/bw8 in the in-process
-simulated pipeline:
+ships with CPython, with a tokenizer built locally, under AQ-SGD fw4/bw8, two pipeline stages in
+two processes (`hf_actcomp.prepare`):
 
-    accelerate launch --config_file recipes/configs/cpu_single.yaml recipes/finetune_gpt2.py
+    accelerate launch --config_file recipes/configs/cpu_2stage.yaml recipes/finetune_gpt2.py
 
-Real use: `--model gpt2 --dataset wikitext --dataset_config wikitext-2-raw-v1 --plan my_plan.yaml`.
+With one process (`cpu_single.yaml`) the same plan runs in-process (`hf_actcomp.simulate`).
+Real use: `--model gpt2 --dataset wikitext --dataset_config wikitext-2-raw-v1 --plan my_plan.yaml`,
+or override the plan from flags: `--forward aqsgd,bits=2 --backward quantize,bits=4 --schedule gpipe`.
 """
 
 from __future__ import annotations
@@ -43,15 +45,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plan", default=DEFAULT_PLAN, help="plan YAML/JSON file")
     p.add_argument("--num_stages", type=int, default=None, help="override the plan's num_stages")
     p.add_argument("--micro_batches", type=int, default=None, help="override the plan's micro_batches")
+    p.add_argument("--schedule", default=None, help="override the plan's schedule: gpipe or 1f1b")
+    p.add_argument("--forward", default=None,
+                   help="override the forward compression, e.g. 'aqsgd,bits=2' or 'topk,ratio=0.1,feedback=ef'")
+    p.add_argument("--backward", default=None, help="override the backward compression, e.g. 'quantize,bits=8'")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--max_train_samples", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="outputs/finetune_gpt2")
     p.add_argument("--report_to", default=None, help="an Accelerate tracker (tensorboard, wandb, ...)")
     return p.parse_args(argv)
+
+
+def parse_compression(spec: str) -> dict:
+    """'topk,ratio=0.1,feedback=ef' -> {'method': 'topk', 'ratio': 0.1, 'feedback': 'ef'}."""
+    method, *options = spec.split(",")
+    out: dict = {"method": method.strip()}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep:
+            raise ValueError(f"Compression option {option!r} in {spec!r} must look like key=value.")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
 
 
 def load_plan(path: str, num_samples: int, args: argparse.Namespace) -> hf_actcomp.Plan:
@@ -64,6 +83,12 @@ def load_plan(path: str, num_samples: int, args: argparse.Namespace) -> hf_actco
         data["num_stages"] = args.num_stages
     if args.micro_batches is not None:
         data["micro_batches"] = args.micro_batches
+    if args.schedule is not None:
+        data["schedule"] = args.schedule
+    for direction in ("forward", "backward"):
+        spec = getattr(args, direction)
+        if spec is not None:
+            data[direction] = parse_compression(spec)
     return hf_actcomp.Plan.from_dict(data)
 
 
@@ -89,7 +114,7 @@ def build_model(args, tokenizer):
     return AutoModelForCausalLM.from_pretrained(args.model)
 
 
-def evaluate(model, loader, accelerator) -> float:
+def evaluate_simulated(model, loader) -> float:
     model.eval()
     total, count = 0.0, 0
     with torch.no_grad():
@@ -102,6 +127,15 @@ def evaluate(model, loader, accelerator) -> float:
     return total / max(count, 1)
 
 
+def evaluate_pipeline(pipe, loader) -> float:
+    total, count = 0.0, 0
+    for batch in loader:
+        out = pipe.eval_step(batch)
+        total += out.loss.item() * out.num_tokens
+        count += out.num_tokens
+    return total / max(count, 1)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=args.report_to,
@@ -110,27 +144,47 @@ def main(argv=None) -> dict:
     tokenizer = None if args.model == "offline-gpt2" else AutoTokenizer.from_pretrained(args.model)
     tokenizer, train, evaluation = load_data(args, tokenizer)
     plan = load_plan(args.plan, len(train), args)
+    distributed = accelerator.num_processes > 1
+    if not distributed and plan.num_stages > 1:
+        accelerator.print(f"One process: the {plan.num_stages} stages run in-process (hf_actcomp.simulate).")
     model = build_model(args, tokenizer)
-    sim = hf_actcomp.simulate(model, plan)
+    if distributed:
+        # One stage per process; every rank must see the same batches, so the loaders are NOT
+        # sharded by Accelerate: a seeded shuffle gives every rank the same order.
+        runner = hf_actcomp.prepare(model, plan, device=accelerator.device)
+        params = runner.parameters()
+    else:
+        runner = hf_actcomp.simulate(model, plan)
+        params = runner.parameters()
     accelerator.print(f"plan: forward {plan.forward.describe()}, backward {plan.backward.describe()}, "
-                      f"stages {[len(r) for r in sim.ranges]} blocks, {len(train)} train samples")
+                      f"{plan.num_stages} stages of {[len(r) for r in runner.ranges]} blocks, "
+                      f"{plan.micro_batches} micro-batches, {len(train)} train samples, "
+                      f"{accelerator.num_processes} process(es)")
 
+    generator = torch.Generator().manual_seed(args.seed)
     train_loader = DataLoader(train.with_format("torch"), batch_size=args.batch_size, shuffle=True,
-                              collate_fn=default_data_collator, drop_last=True)
+                              collate_fn=default_data_collator, drop_last=True, generator=generator)
     eval_loader = DataLoader(evaluation.with_format("torch"), batch_size=args.batch_size,
-                             collate_fn=default_data_collator)
-    optimizer = torch.optim.AdamW(sim.parameters(), lr=args.lr)
-    sim, optimizer, train_loader, eval_loader = accelerator.prepare(sim, optimizer, train_loader, eval_loader)
+                             collate_fn=default_data_collator, drop_last=distributed)
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
+    if not distributed:
+        runner, optimizer, train_loader, eval_loader = accelerator.prepare(runner, optimizer, train_loader,
+                                                                           eval_loader)
     if args.report_to:
         accelerator.init_trackers("hf_actcomp_finetune", config=vars(args))
-    pipeline = accelerator.unwrap_model(sim)
+    pipeline = accelerator.unwrap_model(runner) if not distributed else runner
 
     step = 0
     progress = tqdm(total=args.epochs * len(train_loader), disable=not accelerator.is_local_main_process)
     for epoch in range(args.epochs):
         for batch in train_loader:
-            loss = sim(**batch).loss
-            accelerator.backward(loss)
+            if distributed:
+                loss = runner.train_step(batch).loss
+                runner.clip_grad_norm_(args.max_grad_norm)
+            else:
+                loss = runner(**batch).loss
+                accelerator.backward(loss)
+                accelerator.clip_grad_norm_(runner.parameters(), args.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad()
             step += 1
@@ -141,23 +195,36 @@ def main(argv=None) -> dict:
                              "comm/compression_ratio": stats["compression_ratio"]}, step=step)
     progress.close()
 
-    eval_loss = evaluate(sim, eval_loader, accelerator)
-    stats = pipeline.stats()
+    if distributed:
+        eval_loss = evaluate_pipeline(runner, eval_loader)
+        stats = runner.stats(gather=True)
+    else:
+        eval_loss = evaluate_simulated(runner, eval_loader)
+        stats = pipeline.stats()
     result = {
         "eval_loss": eval_loss,
         "perplexity": math.exp(eval_loss),
         "steps": step,
+        "processes": accelerator.num_processes,
         "bytes_sent": stats["bytes_sent"],
         "bytes_uncompressed": stats["bytes_uncompressed"],
         "compression_ratio": stats["compression_ratio"],
+        "relative_error": stats["relative_error"],
     }
+    if distributed:
+        result["seconds"] = {str(s): t for s, t in stats["stages"].items()}
     accelerator.log({"eval/loss": eval_loss, "eval/perplexity": result["perplexity"]}, step=step)
     accelerator.end_training()
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
+    os.makedirs(args.output_dir, exist_ok=True)
+    state_dir = os.path.join(args.output_dir, "actcomp_state")
+    if distributed:
+        runner.save_pretrained(args.output_dir, model=model)
+        runner.save_compression_state(state_dir)
+    elif accelerator.is_main_process:
         pipeline.model.save_pretrained(args.output_dir)
-        tokenizer.save_pretrained(args.output_dir)
         plan.save_pretrained(args.output_dir)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(args.output_dir)
         with open(os.path.join(args.output_dir, "results.json"), "w") as f:
             json.dump(result, f, indent=2)
         accelerator.print(json.dumps(result, indent=2))

@@ -101,6 +101,13 @@ def test_dead_peer_fails_fast_with_a_clear_error(tmp_path):
     assert report["seconds"] < 30
 
 
+def test_world_size_must_match_the_plan(tmp_path):
+    run_workers("pipeline_worker.py", 2, ["bad_world", str(tmp_path)], timeout=120)
+    for rank in range(2):
+        error = json.loads((tmp_path / f"rank{rank}.json").read_text())["error"]
+        assert "Plan.num_stages=3 needs exactly 3 processes (one per stage), but the world size is 2" in error
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("num_stages, micro_batches", [(2, 2), (3, 4), (4, 4), (4, 7)])
 def test_schedules_run_each_micro_batch_once_in_dependency_order(schedule, num_stages, micro_batches):

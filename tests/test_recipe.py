@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from distributed import free_port
 from transformers import AutoModelForCausalLM
 
 from hf_actcomp import Plan
@@ -15,10 +16,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 
 
-def launch(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+def launch(args: list[str], config: str = "cpu_2stage.yaml", timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    cmd = [ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "recipes/configs/cpu_single.yaml"),
-           os.path.join(ROOT, "recipes/finetune_gpt2.py"), *args]
+    cmd = [ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "recipes/configs", config),
+           "--main_process_port", str(free_port()), os.path.join(ROOT, "recipes/finetune_gpt2.py"), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -30,7 +31,10 @@ def test_recipe_trains_saves_and_reloads(tmp_path, plan_file):
     launch(["--output_dir", str(out), "--max_train_samples", "32", "--epochs", "2", "--seq_len", "64",
             "--batch_size", "8", "--plan", os.path.join(ROOT, "recipes/configs", plan_file)])
     result = json.loads((out / "results.json").read_text())
-    assert result["steps"] == 8
+    assert result["steps"] == 8 and result["processes"] == 2
+    assert set(result["seconds"]) == {"0", "1"}
+    assert sorted(p.name for p in (out / "actcomp_state").iterdir()) == [
+        "rank0.json", "rank0.safetensors", "rank1.json", "rank1.safetensors"]
     assert result["compression_ratio"] > 1.5  # epoch 1 is uncompressed (AQ-SGD warm-up), epoch 2 at ~7.5x
     assert 0 < result["eval_loss"] < 8
     plan = Plan.from_pretrained(out)
@@ -39,14 +43,17 @@ def test_recipe_trains_saves_and_reloads(tmp_path, plan_file):
     assert model.config.n_layer == 4
 
     # Real loading code on local files: from_pretrained on the saved model and tokenizer,
-    # load_dataset("text") on a local text file, and a TopK + EF plan.
+    # load_dataset("text") on a local text file, a TopK + EF plan from flags, one process (simulate).
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(400)))
     out2 = tmp_path / "run2"
     launch(["--model", str(out), "--dataset", "text", "--data_files", str(corpus), "--output_dir", str(out2),
             "--max_train_samples", "16", "--epochs", "1", "--seq_len", "32", "--batch_size", "4",
-            "--plan", os.path.join(ROOT, "recipes/configs/plan_topk10_ef.yaml")])
+            "--forward", "topk,ratio=0.1,feedback=ef", "--schedule", "gpipe"], config="cpu_single.yaml")
     result2 = json.loads((out2 / "results.json").read_text())
-    assert result2["steps"] == 4 and result2["compression_ratio"] > 3
+    assert result2["steps"] == 4 and result2["processes"] == 1 and result2["compression_ratio"] > 3
+    plan2 = Plan.from_pretrained(out2)
+    assert (plan2.forward.method, plan2.forward.ratio, plan2.forward.feedback, plan2.schedule) == (
+        "topk", 0.1, "ef", "gpipe")
     tuned = AutoModelForCausalLM.from_pretrained(out2)
     assert not torch.equal(tuned.transformer.h[0].mlp.c_fc.weight, model.transformer.h[0].mlp.c_fc.weight)

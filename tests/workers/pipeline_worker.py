@@ -123,13 +123,23 @@ def dead_peer(out_dir: str) -> None:
         os._exit(4)
 
 
+def bad_world(out_dir: str) -> None:
+    """A 3-stage plan in a 2-process job fails on every rank before any message."""
+    try:
+        hf_actcomp.prepare(debug_model("gpt2"), Plan(num_stages=3, micro_batches=3))
+    except ValueError as err:
+        with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"error": str(err)}, f)
+
+
 def main() -> None:
     scenario, out_dir, *rest = sys.argv[1:]
     dist.init_process_group("gloo")
     {"exact": lambda: exact(out_dir, int(rest[0])),
      "compressed": lambda: compressed(out_dir, rest[0], int(rest[1]), rest[2]),
      "resume": lambda: resume(out_dir, rest[0]),
-     "dead_peer": lambda: dead_peer(out_dir)}[scenario]()
+     "dead_peer": lambda: dead_peer(out_dir),
+     "bad_world": lambda: bad_world(out_dir)}[scenario]()
     dist.barrier()
     dist.destroy_process_group()
 
