@@ -101,6 +101,28 @@ def test_dead_peer_fails_fast_with_a_clear_error(tmp_path):
     assert report["seconds"] < 30
 
 
+def test_bf16_autocast(tmp_path):
+    run_workers("pipeline_worker.py", 2, ["autocast", str(tmp_path)])
+    reference = debug_model("gpt2", seed=0)
+    batch = padded_batch(reference.config.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(**{k: v for k, v in batch.items() if k != "sample_id"}).loss.item()
+    for rank in range(2):
+        loss = json.loads((tmp_path / f"rank{rank}.json").read_text())["loss"]
+        assert loss == pytest.approx(expected, rel=2e-2)
+
+
+def test_accelerate_save_state_carries_every_ranks_compression_state(tmp_path):
+    run_workers("pipeline_worker.py", 2, ["accelerate_state", str(tmp_path)])
+    assert sorted(p.name for p in (tmp_path / "state" / "actcomp_state").glob("*.json")) == ["rank0.json", "rank1.json"]
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["changed"] and report["restored"]
+    keys = [json.loads((tmp_path / f"rank{r}.json").read_text())["keys"] for r in range(2)]
+    assert any(k.startswith("forward_sender.mirror.memory.") for k in keys[0])
+    assert any(k.startswith("forward_receiver.memory.") for k in keys[1])
+
+
 def test_world_size_must_match_the_plan(tmp_path):
     run_workers("pipeline_worker.py", 2, ["bad_world", str(tmp_path)], timeout=120)
     for rank in range(2):

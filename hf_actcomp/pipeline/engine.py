@@ -80,6 +80,8 @@ class Pipeline(nn.Module):
         self.config = model.config
         self.loss_function = model.loss_function
         self.device = torch.device(device) if device is not None else _default_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL collectives and *_object calls use the current device
         stage = adapter.build_stage(ranges[s].start, ranges[s].stop, first=s == 0, last=s == last)
         _free_other_parameters(model, stage)
         self.stage = stage.to(self.device)

@@ -132,14 +132,58 @@ def bad_world(out_dir: str) -> None:
             json.dump({"error": str(err)}, f)
 
 
+def autocast(out_dir: str) -> None:
+    """bf16 autocast on CPU: the step runs and its loss is saved for comparison."""
+    model = debug_model("gpt2", seed=0)
+    pipe = hf_actcomp.prepare(model, Plan(num_stages=2, micro_batches=2), autocast_dtype=torch.bfloat16)
+    out = pipe.train_step(padded_batch(model.config.vocab_size))
+    grads = {n: p.grad for n, p in pipe.stage.named_parameters()}
+    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
+    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump({"loss": out.loss.item()}, f)
+
+
+def accelerate_state(out_dir: str) -> None:
+    """accelerator.save_state / load_state carry every rank's compression state."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == 2
+    model = debug_model("gpt2", seed=0)
+    pipe = hf_actcomp.prepare(model, COMPRESSED_PLANS["aqsgd"]("1f1b"))
+    pipe.register_for_checkpointing(accelerator)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    data = training_batches(model.config.vocab_size, 6)
+
+    def step():
+        pipe.train_step(next(data))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(4):
+        step()
+    saved = {k: v.clone() for k, v in pipe.compression_state_dict().items()}
+    accelerator.save_state(os.path.join(out_dir, "state"))
+    for _ in range(2):  # revisits samples with changed weights: the memories move
+        step()
+    changed = any(not torch.equal(saved[k], v) for k, v in pipe.compression_state_dict().items())
+    accelerator.load_state(os.path.join(out_dir, "state"))
+    restored = all(torch.equal(saved[k], v) for k, v in pipe.compression_state_dict().items())
+    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump({"changed": changed, "restored": restored, "keys": sorted(saved)}, f)
+
+
 def main() -> None:
     scenario, out_dir, *rest = sys.argv[1:]
-    dist.init_process_group("gloo")
+    if scenario != "accelerate_state":  # there the Accelerator initialises torch.distributed
+        dist.init_process_group("gloo")
     {"exact": lambda: exact(out_dir, int(rest[0])),
      "compressed": lambda: compressed(out_dir, rest[0], int(rest[1]), rest[2]),
      "resume": lambda: resume(out_dir, rest[0]),
      "dead_peer": lambda: dead_peer(out_dir),
-     "bad_world": lambda: bad_world(out_dir)}[scenario]()
+     "bad_world": lambda: bad_world(out_dir),
+     "autocast": lambda: autocast(out_dir),
+     "accelerate_state": lambda: accelerate_state(out_dir)}[scenario]()
     dist.barrier()
     dist.destroy_process_group()
 
