@@ -61,6 +61,9 @@ def test_compressed_run_matches_simulation(tmp_path, plan_name):
         expected.append(loss.item())
     assert result["losses"] == pytest.approx(expected, rel=1e-4)
     assert result["losses"][-1] < result["losses"][0]
+    sim.eval()  # evaluation: the stateless inference codec on both sides
+    with torch.no_grad():
+        assert result["eval_loss"] == pytest.approx(sim(**padded_batch(model.config.vocab_size)).loss.item(), rel=1e-4)
 
     if plan_name == "aqsgd":
         for sums in result["checksums"]:

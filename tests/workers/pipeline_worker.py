@@ -29,6 +29,8 @@ def exact(out_dir: str, num_stages: int) -> None:
             model = debug_model(family, seed=0)
             plan = Plan(num_stages=num_stages, micro_batches=num_stages, schedule=schedule)
             pipe = hf_actcomp.prepare(model, plan, timeout=60)
+            kept = {id(p) for p in pipe.stage.parameters()}
+            assert all(p.numel() == 0 for p in model.parameters() if id(p) not in kept), "other stages not freed"
             out = pipe.train_step(padded_batch(model.config.vocab_size))
             tensors = {f"grad.{n}": p.grad for n, p in pipe.stage.named_parameters()}
             tensors["loss"] = out.loss.reshape(1)
@@ -69,8 +71,9 @@ def compressed(out_dir: str, plan_name: str, steps: int, schedule: str) -> None:
             merged.update(p)
         checksums.append(merged)
     stats = pipe.stats(gather=True)
+    eval_loss = pipe.eval_step(padded_batch(model.config.vocab_size)).loss.item()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"losses": losses, "checksums": checksums, "stats": stats}, f)
+        json.dump({"losses": losses, "checksums": checksums, "stats": stats, "eval_loss": eval_loss}, f)
 
 
 def resume(out_dir: str, phase: str) -> None:

@@ -1,0 +1,48 @@
+"""Per-rank compression state files: round trip, sharding, and refusal of another plan's state."""
+
+import pytest
+import torch
+
+from hf_actcomp import Compression, MemoryConfig, Plan
+from hf_actcomp.checkpoint import load_state, save_state
+
+
+def metadata(plan: Plan, stage: int = 0, world_size: int = 2, blocks=(0, 2)) -> dict:
+    return {"plan": plan.to_dict(), "world_size": world_size, "stage": stage, "blocks": list(blocks)}
+
+
+PLAN = Plan(num_stages=2, forward=Compression("aqsgd", bits=4), memory=MemoryConfig(num_samples=8))
+
+
+def test_round_trip_and_sharding(tmp_path):
+    state = {"memory.values": torch.randn(8, 4, 16), "memory.seen": torch.ones(8, dtype=torch.bool),
+             "codec.calls": torch.tensor(3)}
+    files = save_state(tmp_path, 1, state, metadata(PLAN, stage=1), max_shard_size=1024)
+    assert len(files) > 1 and all(f.startswith("rank1-") for f in files)
+    loaded = load_state(tmp_path, 1, metadata(PLAN, stage=1))
+    assert loaded.keys() == state.keys()
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(plan=Plan(num_stages=2, forward=Compression("aqsgd", bits=2), memory=MemoryConfig(num_samples=8))),
+     "plan.forward: saved"),
+    (dict(plan=Plan(num_stages=2, forward=Compression("aqsgd", bits=4), memory=MemoryConfig(num_samples=9))),
+     "plan.memory: saved"),
+    (dict(world_size=4), "world_size: saved 2, running 4"),
+    (dict(blocks=(0, 3)), "blocks: saved [0, 2], running [0, 3]"),
+])
+def test_state_from_another_plan_is_refused(tmp_path, change, message):
+    save_state(tmp_path, 0, {"x": torch.zeros(2)}, metadata(PLAN))
+    expected = metadata(change.get("plan", PLAN), world_size=change.get("world_size", 2),
+                        blocks=change.get("blocks", (0, 2)))
+    with pytest.raises(ValueError, match="saved under another plan or layout") as err:
+        load_state(tmp_path, 0, expected)
+    assert message in str(err.value)
+
+
+def test_missing_rank_is_a_clear_error(tmp_path):
+    save_state(tmp_path, 0, {"x": torch.zeros(2)}, metadata(PLAN))
+    with pytest.raises(FileNotFoundError, match="No compression state for rank 1"):
+        load_state(tmp_path, 1, metadata(PLAN, stage=1))
