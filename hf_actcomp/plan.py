@@ -31,6 +31,9 @@ INFERENCE_FALLBACK = ("direct", "none")
 SCHEDULES = ("gpipe", "1f1b")
 MEMORY_STORES = ("device", "host", "mmap")
 MEMORY_DTYPES = ("fp32", "fp16", "bf16", "int8")
+# Names of the data-parallel hooks in hf_actcomp.dp (kept here to avoid an import cycle; a test
+# checks that the two agree).
+DP_HOOKS = ("allreduce", "dgc", "ef_sign", "marsit", "powersgd", "qsgd", "randk", "topk")
 
 
 def _check_choice(owner: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -181,6 +184,11 @@ class Plan:
         backward: compression of activation gradients (stage s+1 -> s); gradients usually
             need milder compression than activations.
         memory: AQ-SGD memory placement.
+        data_parallel: pipeline replicas (D); the job has num_stages x data_parallel processes,
+            rank = replica * num_stages + stage. Each stage averages its gradients over its D
+            copies with `dp_compression`.
+        dp_compression: the data-parallel hook: a name from `hf_actcomp.dp.available_hooks()`,
+            or a dict with `method` and the hook's parameters, e.g. `{"method": "topk", "ratio": 0.01}`.
     """
 
     num_stages: int = 2
@@ -190,6 +198,8 @@ class Plan:
     forward: Compression = field(default_factory=Compression)
     backward: Compression = field(default_factory=Compression)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    data_parallel: int = 1
+    dp_compression: str | dict[str, Any] = "allreduce"
 
     def __post_init__(self) -> None:
         if isinstance(self.forward, dict):
@@ -222,6 +232,10 @@ class Plan:
             if any(b <= a for a, b in zip(points, points[1:], strict=False)):
                 raise ValueError(f"Plan.split_points={points} must be strictly increasing.")
             self.split_points = points
+        if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
+            raise ValueError(f"Plan.data_parallel={self.data_parallel!r} must be an integer >= 1.")
+        method = self.dp_compression.get("method") if isinstance(self.dp_compression, dict) else self.dp_compression
+        _check_choice("Plan", "dp_compression", method, DP_HOOKS)
         if self.backward.method == "aqsgd":
             raise ValueError(
                 "Plan.backward.method='aqsgd' is not supported: AQ-SGD compresses activations; "
@@ -261,6 +275,18 @@ class Plan:
     # ----------------------------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def world_size(self) -> int:
+        """Processes this plan needs: num_stages x data_parallel."""
+        return self.num_stages * self.data_parallel
+
+    def dp_hook(self) -> tuple[str, dict[str, Any]]:
+        """(hook name, hook parameters) of `dp_compression`."""
+        if isinstance(self.dp_compression, dict):
+            params = dict(self.dp_compression)
+            return params.pop("method"), params
+        return self.dp_compression, {}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:

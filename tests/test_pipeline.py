@@ -126,11 +126,45 @@ def test_accelerate_save_state_carries_every_ranks_compression_state(tmp_path):
     assert any(k.startswith("forward_receiver.memory.") for k in keys[1])
 
 
+def test_pipeline_x_data_parallel_matches_unsplit_model_on_the_full_batch(tmp_path):
+    """2 stages x 2 replicas on 4 processes, no compression: every stage's gradients equal the
+    unsplit single-process model's on the concatenated batch (with unequal token counts)."""
+    run_workers("pipeline_worker.py", 4, ["two_d", str(tmp_path), "allreduce"], timeout=300)
+    reference = debug_model("gpt2", seed=0)
+    full = padded_batch(reference.config.vocab_size, batch=8)
+    full["attention_mask"][4, -7:] = 0
+    full["labels"][4, -7:] = -100
+    loss = reference(**{k: v for k, v in full.items() if k != "sample_id"}).loss
+    loss.backward()
+    ref = dict(reference.named_parameters(remove_duplicate=False))
+    for rank in range(4):
+        got = load_file(tmp_path / f"rank{rank}.safetensors")
+        torch.testing.assert_close(got["loss"][0], loss.detach(), atol=1e-6, rtol=1e-6)
+        names = [k[5:] for k in got if k.startswith("grad.")]
+        assert names
+        for name in names:
+            torch.testing.assert_close(got[f"grad.{name}"], ref[name].grad, atol=1e-5, rtol=1e-4,
+                                       msg=lambda m, n=f"rank {rank} {name}": f"{n}: {m}")
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert (report["replica"], report["stage"]) == (rank // 2, rank % 2)
+        assert report["losses"][-1] < report["losses"][0]
+
+
+def test_pipeline_x_data_parallel_with_a_compressed_hook(tmp_path):
+    run_workers("pipeline_worker.py", 4, ["two_d", str(tmp_path), "topk"], timeout=300)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert reports[0]["losses"] == reports[1]["losses"]  # one value per pipeline, on every stage
+    assert reports[0]["losses"][-1] < reports[0]["losses"][0]
+    for r in reports:
+        assert r["dp"]["hook"] == "topk" and r["dp"]["steps"] == 6 and r["dp"]["compression_ratio"] > 2
+
+
 def test_world_size_must_match_the_plan(tmp_path):
     run_workers("pipeline_worker.py", 2, ["bad_world", str(tmp_path)], timeout=120)
     for rank in range(2):
         error = json.loads((tmp_path / f"rank{rank}.json").read_text())["error"]
-        assert "Plan.num_stages=3 needs exactly 3 processes (one per stage), but the world size is 2" in error
+        assert "Plan.num_stages=3 x data_parallel=1 needs exactly 3 processes (one per stage and replica), " \
+            "but the world size is 2" in error
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

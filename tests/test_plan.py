@@ -119,3 +119,17 @@ def test_describe_labels():
     assert Compression("aqsgd", bits=4).describe() == "aqsgd-quantize4"
     assert Compression("topk", ratio=0.1, feedback="ef").describe() == "topk0.1+ef"
     assert Compression().describe() == "none"
+
+
+def test_data_parallel_fields():
+    from hf_actcomp import dp
+    from hf_actcomp.plan import DP_HOOKS
+
+    assert tuple(dp.available_hooks()) == DP_HOOKS
+    plan = Plan(num_stages=2, data_parallel=3, dp_compression={"method": "dgc", "ratio": 0.001})
+    assert plan.world_size == 6 and plan.dp_hook() == ("dgc", {"ratio": 0.001})
+    assert Plan.from_json_string(plan.to_json_string()) == plan
+    with pytest.raises(ValueError, match="Plan.dp_compression='top-k' is not valid. Allowed values: allreduce, dgc"):
+        Plan(dp_compression="top-k")
+    with pytest.raises(ValueError, match="Plan.data_parallel=0 must be an integer >= 1"):
+        Plan(data_parallel=0)

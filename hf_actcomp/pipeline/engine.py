@@ -74,7 +74,8 @@ class Pipeline(nn.Module):
         self.autocast_dtype = autocast_dtype
         adapter = get_adapter(model)  # unsupported families fail here, before any collective
         ranges = stage_ranges(adapter, plan)
-        self.mesh, self.group, self.tie_group = build_mesh(plan, self.timeout)
+        self.mesh, groups = build_mesh(plan, self.timeout)
+        self.group, self.tie_group, self.dp_group = groups.pipeline, groups.tie, groups.data_parallel
         s, last = self.mesh.stage, self.mesh.num_stages - 1
         self.ranges = ranges
         self.config = model.config
@@ -105,6 +106,16 @@ class Pipeline(nn.Module):
             self.backward_receiver = build_receiver(plan.backward, None, f"{name}.backward")
             self.inference_encoder = build_inference_codec(plan.forward)
             self.channels[f"{name}.forward"] = ChannelStats()
+        self.dp_compressor = None
+        if self.dp_group is not None:
+            from ..dp import make_compressor
+
+            hook, params = plan.dp_hook()
+            if hook == "powersgd":
+                raise ValueError("dp_compression='powersgd' is torch's DDP hook; inside prepare() use one of "
+                                 "allreduce, dgc, ef_sign, marsit, qsgd, randk, topk.")
+            self.dp_compressor = make_compressor(hook, self.dp_group, **params)
+            self.dp_compressor.param_names = {id(p): n for n, p in self.stage.named_parameters()}
         self.seconds_step = 0.0
         self.steps = 0
 
@@ -112,6 +123,15 @@ class Pipeline(nn.Module):
     @property
     def stage_index(self) -> int:
         return self.mesh.stage
+
+    @property
+    def replica(self) -> int:
+        """This rank's pipeline replica (0..data_parallel-1): shard the data by it."""
+        return self.mesh.replica
+
+    @property
+    def num_replicas(self) -> int:
+        return self.mesh.num_replicas
 
     @property
     def is_first(self) -> bool:
@@ -151,7 +171,8 @@ class Pipeline(nn.Module):
                 self._backward(i, *saved.pop(i))
         self.transport.flush()
         self._sync_tied_gradients()
-        loss = self._broadcast_loss(total)
+        self._average_over_replicas()
+        loss = self._broadcast_loss(self._mean_over_replicas(total))
         self.seconds_step += time.perf_counter() - start
         self.steps += 1
         return StepOutput(loss=loss, num_tokens=num_tokens)
@@ -178,7 +199,7 @@ class Pipeline(nn.Module):
                 self.transport.send(self.inference_encoder.encode(out.to(self.boundary_dtype)), self.mesh.next_rank)
         self.transport.flush()
         self.stage.train()
-        return StepOutput(loss=self._broadcast_loss(total), num_tokens=num_tokens)
+        return StepOutput(loss=self._broadcast_loss(self._mean_over_replicas(total)), num_tokens=num_tokens)
 
     def _split_batch(self, batch: dict[str, torch.Tensor], training: bool):
         """Validate the batch (identically on every rank, before any message) and cut it into
@@ -209,6 +230,12 @@ class Pipeline(nn.Module):
             check_sample_ids(sample_id, self.plan.memory.num_samples, rows)
         num_tokens = int((labels[..., 1:] != -100).sum())
         num_items = torch.tensor(num_tokens, device=self.device) if num_micro > 1 else None
+        if self.dp_group is not None and self.is_last:
+            # Replicas hold different shards (and token counts): normalise by the tokens of the
+            # whole global batch, times D because the replicas' gradients are then averaged.
+            total = torch.tensor(float(num_tokens), device=self.device)
+            dist.all_reduce(total, group=self.dp_group)
+            num_items = total / self.num_replicas
 
         def split(t: torch.Tensor | None) -> list:
             return [None] * num_micro if t is None else list(torch.tensor_split(t.to(self.device), num_micro))
@@ -270,6 +297,30 @@ class Pipeline(nn.Module):
             self.transport.seconds_waiting += time.perf_counter() - start
         return total
 
+    def _mean_over_replicas(self, total: torch.Tensor) -> torch.Tensor:
+        """The global batch's loss from each replica's share (last stages only)."""
+        if self.dp_group is not None and self.is_last:
+            dist.all_reduce(total, group=self.dp_group)
+            total /= self.num_replicas
+        return total
+
+    def _average_over_replicas(self) -> None:
+        """Average this stage's gradients over its copies in the other replicas, through the
+        plan's data-parallel hook (one flat buffer per step, parameters in name order)."""
+        if self.dp_compressor is None:
+            return
+        start = time.perf_counter()
+        params = [p for _, p in sorted(self.stage.named_parameters())]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        averaged = self.dp_compressor.reduce(flat, params)
+        self.dp_compressor.end_step()
+        for p, g in zip(params, averaged.split([p.numel() for p in params]), strict=True):
+            p.grad.copy_(g.view_as(p))
+        self.transport.seconds_waiting += time.perf_counter() - start
+
     def _sync_tied_gradients(self) -> None:
         """First and last stage hold copies of tied embeddings: give both the summed gradient, as
         the unsplit model's single tensor would get, so identical optimizer steps keep them equal."""
@@ -315,12 +366,16 @@ class Pipeline(nn.Module):
             "seconds_computing": max(self.seconds_step - self.transport.seconds_waiting, 0.0),
         }
         summary["stages"] = {self.stage_index: timing}
+        if self.dp_compressor is not None:
+            summary["data_parallel"] = self.dp_compressor.stats()
         if not gather or self.mesh.num_stages == 1:
             return summary
         parts: list = [None] * self.mesh.num_stages
         dist.all_gather_object(parts, (self.channels, timing), group=self.group)
         merged = summarize({name: c for channels, _ in parts for name, c in channels.items()})
         merged["stages"] = {s: t for s, (_, t) in enumerate(parts)}
+        if self.dp_compressor is not None:
+            merged["data_parallel"] = self.dp_compressor.stats()
         return merged
 
     def reset_stats(self) -> None:
@@ -339,11 +394,17 @@ class Pipeline(nn.Module):
         }
 
     def compression_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's EF buffers, AQ-SGD memories and codec counters."""
-        return {f"{part}.{k}": v for part, end in self._ends().items() if end is not None
-                for k, v in end.state_dict().items()}
+        """This rank's EF buffers, AQ-SGD memories, codec counters and data-parallel hook state."""
+        state = {f"{part}.{k}": v for part, end in self._ends().items() if end is not None
+                 for k, v in end.state_dict().items()}
+        if self.dp_compressor is not None:
+            state.update({f"data_parallel.{k}": v for k, v in self.dp_compressor.state_dict().items()})
+        return state
 
     def load_compression_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.dp_compressor is not None:
+            self.dp_compressor.load_state_dict(
+                {k[len("data_parallel."):]: v for k, v in state.items() if k.startswith("data_parallel.")})
         for part, end in self._ends().items():
             if end is not None:
                 prefix = f"{part}."
@@ -351,7 +412,7 @@ class Pipeline(nn.Module):
 
     def _state_metadata(self) -> dict:
         r = self.ranges[self.stage_index]
-        return {"plan": self.plan.to_dict(), "world_size": self.mesh.num_stages, "stage": self.stage_index,
+        return {"plan": self.plan.to_dict(), "world_size": self.plan.world_size, "stage": self.stage_index,
                 "blocks": [r.start, r.stop]}
 
     def save_compression_state(self, directory: str | os.PathLike,
@@ -389,7 +450,7 @@ class Pipeline(nn.Module):
         own = {name: p.detach().cpu() for name, p in self.stage.named_parameters()}
         parts: list = [None] * self.mesh.num_stages
         dist.all_gather_object(parts, own, group=self.group)
-        if self.mesh.rank == self.mesh.ranks[0]:
+        if self.mesh.rank == 0:  # stage 0 of replica 0: the replicas hold the same weights
             if model is None:
                 raise ValueError("save_pretrained needs the model passed to prepare(), for its class and config.")
             full = {}

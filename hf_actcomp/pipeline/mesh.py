@@ -1,4 +1,8 @@
-"""Which rank runs which pipeline stage, and the process groups the stages talk over."""
+"""Which rank runs which pipeline stage of which replica, and the process groups they talk over.
+
+Layout: rank = replica * num_stages + stage. A replica's stages form its pipeline group; the
+copies of one stage across replicas form that stage's data-parallel group.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +16,11 @@ from ..plan import Plan
 
 @dataclass(frozen=True)
 class PipelineMesh:
-    """Ranks of one pipeline: stage `s` runs on global rank `ranks[s]`."""
+    """Ranks of this rank's pipeline (`ranks[s]` runs stage s) and of its stage's DP group."""
 
     ranks: tuple[int, ...]
     rank: int
+    dp_ranks: tuple[int, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -24,6 +29,14 @@ class PipelineMesh:
     @property
     def stage(self) -> int:
         return self.ranks.index(self.rank)
+
+    @property
+    def replica(self) -> int:
+        return self.dp_ranks.index(self.rank) if self.dp_ranks else 0
+
+    @property
+    def num_replicas(self) -> int:
+        return max(len(self.dp_ranks), 1)
 
     @property
     def is_first(self) -> bool:
@@ -42,18 +55,40 @@ class PipelineMesh:
         return None if self.is_last else self.ranks[self.stage + 1]
 
 
-def build_mesh(plan: Plan, timeout: float) -> tuple[PipelineMesh, dist.ProcessGroup, dist.ProcessGroup | None]:
-    """Check the world size against the plan; create the pipeline group and the group that
-    joins the first and last stage (tied embeddings). Collective: every rank must call it."""
+@dataclass
+class Groups:
+    pipeline: dist.ProcessGroup
+    tie: dist.ProcessGroup | None
+    data_parallel: dist.ProcessGroup | None
+
+
+def build_mesh(plan: Plan, timeout: float) -> tuple[PipelineMesh, Groups]:
+    """Check the world size against the plan and create every group. Collective: every rank
+    must call it (torch requires all ranks to create every group, in the same order)."""
     world = dist.get_world_size()
-    if world != plan.num_stages:
+    if world != plan.world_size:
         raise ValueError(
-            f"Plan.num_stages={plan.num_stages} needs exactly {plan.num_stages} processes (one per stage), "
-            f"but the world size is {world}. Launch with --num_processes {plan.num_stages} or change the plan."
+            f"Plan.num_stages={plan.num_stages} x data_parallel={plan.data_parallel} needs exactly "
+            f"{plan.world_size} processes (one per stage and replica), but the world size is {world}. "
+            f"Launch with --num_processes {plan.world_size} or change the plan."
         )
-    ranks = tuple(range(world))
+    rank, stages, replicas = dist.get_rank(), plan.num_stages, plan.data_parallel
     delta = datetime.timedelta(seconds=timeout)
-    group = dist.new_group(list(ranks), timeout=delta)
-    ends = sorted({ranks[0], ranks[-1]})
-    tie_group = dist.new_group(ends, timeout=delta) if len(ends) > 1 else None
-    return PipelineMesh(ranks, dist.get_rank()), group, tie_group
+    groups = Groups(pipeline=None, tie=None, data_parallel=None)
+    mine = rank // stages
+    for replica in range(replicas):
+        ranks = list(range(replica * stages, (replica + 1) * stages))
+        group = dist.new_group(ranks, timeout=delta)
+        ends = sorted({ranks[0], ranks[-1]})
+        tie = dist.new_group(ends, timeout=delta) if len(ends) > 1 else None
+        if replica == mine:
+            groups.pipeline, groups.tie = group, tie
+    dp_ranks: tuple[int, ...] = ()
+    if replicas > 1:
+        for stage in range(stages):
+            ranks = [replica * stages + stage for replica in range(replicas)]
+            group = dist.new_group(ranks, timeout=delta)
+            if rank in ranks:
+                groups.data_parallel, dp_ranks = group, tuple(ranks)
+    pipeline_ranks = tuple(range(mine * stages, (mine + 1) * stages))
+    return PipelineMesh(pipeline_ranks, rank, dp_ranks), groups

@@ -176,6 +176,32 @@ def accelerate_state(out_dir: str) -> None:
         json.dump({"changed": changed, "restored": restored, "keys": sorted(saved)}, f)
 
 
+def two_d(out_dir: str, hook: str) -> None:
+    """S=2 x D=2: replica r trains on rows [4r, 4r+4) of one global batch of 8."""
+    model = debug_model("gpt2", seed=0)
+    dp_compression = "allreduce" if hook == "allreduce" else {"method": hook, "ratio": 0.1}
+    plan = Plan(num_stages=2, data_parallel=2, micro_batches=2, dp_compression=dp_compression)
+    pipe = hf_actcomp.prepare(model, plan, timeout=60)
+    full = padded_batch(model.config.vocab_size, batch=8)
+    full["attention_mask"][4, -7:] = 0  # the replicas' shards have different token counts
+    full["labels"][4, -7:] = -100
+    rows = slice(4 * pipe.replica, 4 * pipe.replica + 4)
+    shard = {k: v[rows] for k, v in full.items()}
+    out = pipe.train_step(shard)
+    tensors = {f"grad.{n}": p.grad for n, p in pipe.stage.named_parameters()}
+    tensors["loss"] = out.loss.reshape(1)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out_dir, f"rank{dist.get_rank()}.safetensors"))
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    losses = [out.loss.item()]
+    for _ in range(5):
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(pipe.train_step(shard).loss.item())
+    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump({"losses": losses, "replica": pipe.replica, "stage": pipe.stage_index,
+                   "dp": pipe.stats()["data_parallel"]}, f)
+
+
 def main() -> None:
     scenario, out_dir, *rest = sys.argv[1:]
     if scenario != "accelerate_state":  # there the Accelerator initialises torch.distributed
@@ -186,6 +212,7 @@ def main() -> None:
      "dead_peer": lambda: dead_peer(out_dir),
      "bad_world": lambda: bad_world(out_dir),
      "autocast": lambda: autocast(out_dir),
+     "two_d": lambda: two_d(out_dir, rest[0]),
      "accelerate_state": lambda: accelerate_state(out_dir)}[scenario]()
     dist.barrier()
     dist.destroy_process_group()
