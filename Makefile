@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test lint train bench-codecs bench-convergence bench-slow-link clean
+.PHONY: setup test lint train bench-codecs bench-convergence bench-slow-link bench-dp-hooks clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,6 +32,9 @@ bench-convergence: setup
 
 bench-slow-link: setup
 	$(PY) benchmarks/slow_link.py
+
+bench-dp-hooks: setup
+	$(PY) benchmarks/dp_hooks.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache

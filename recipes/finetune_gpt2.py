@@ -46,6 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num_stages", type=int, default=None, help="override the plan's num_stages")
     p.add_argument("--micro_batches", type=int, default=None, help="override the plan's micro_batches")
     p.add_argument("--schedule", default=None, help="override the plan's schedule: gpipe or 1f1b")
+    p.add_argument("--data_parallel", type=int, default=None,
+                   help="pipeline replicas (processes = num_stages x data_parallel)")
+    p.add_argument("--dp_compression", default=None,
+                   help="data-parallel hook, e.g. 'allreduce' or 'topk,ratio=0.01' or 'dgc,ratio=0.001'")
     p.add_argument("--forward", default=None,
                    help="override the forward compression, e.g. 'aqsgd,bits=2' or 'topk,ratio=0.1,feedback=ef'")
     p.add_argument("--backward", default=None, help="override the backward compression, e.g. 'quantize,bits=8'")
@@ -85,6 +89,11 @@ def load_plan(path: str, num_samples: int, args: argparse.Namespace) -> hf_actco
         data["micro_batches"] = args.micro_batches
     if args.schedule is not None:
         data["schedule"] = args.schedule
+    if args.data_parallel is not None:
+        data["data_parallel"] = args.data_parallel
+    if args.dp_compression is not None:
+        hook = parse_compression(args.dp_compression)
+        data["dp_compression"] = hook if len(hook) > 1 else hook["method"]
     for direction in ("forward", "backward"):
         spec = getattr(args, direction)
         if spec is not None:
@@ -162,6 +171,10 @@ def main(argv=None) -> dict:
                       f"{accelerator.num_processes} process(es)")
 
     generator = torch.Generator().manual_seed(args.seed)
+    if distributed and plan.data_parallel > 1:
+        # Pipeline replicas train on disjoint shards; the stages of one replica on the same one.
+        # (sample_id keeps the global row index, so AQ-SGD memory stays keyed by dataset row.)
+        train = train.shard(runner.num_replicas, runner.replica, contiguous=True)
     train_loader = DataLoader(train.with_format("torch"), batch_size=args.batch_size, shuffle=True,
                               collate_fn=default_data_collator, drop_last=True, generator=generator)
     eval_loader = DataLoader(evaluation.with_format("torch"), batch_size=args.batch_size,
@@ -213,6 +226,8 @@ def main(argv=None) -> dict:
     }
     if distributed:
         result["seconds"] = {str(s): t for s, t in stats["stages"].items()}
+        if "data_parallel" in stats:
+            result["data_parallel"] = stats["data_parallel"]
     accelerator.log({"eval/loss": eval_loss, "eval/perplexity": result["perplexity"]}, step=step)
     accelerator.end_training()
     os.makedirs(args.output_dir, exist_ok=True)

@@ -16,10 +16,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 
 
-def launch(args: list[str], config: str = "cpu_2stage.yaml", timeout: int = 300) -> subprocess.CompletedProcess:
+def launch(args: list[str], config: str = "cpu_2stage.yaml", timeout: int = 300,
+           extra_launch_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     cmd = [ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "recipes/configs", config),
-           "--main_process_port", str(free_port()), os.path.join(ROOT, "recipes/finetune_gpt2.py"), *args]
+           "--main_process_port", str(free_port()), *extra_launch_args, os.path.join(ROOT, "recipes/finetune_gpt2.py"), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -57,3 +58,17 @@ def test_recipe_trains_saves_and_reloads(tmp_path, plan_file):
         "topk", 0.1, "ef", "gpipe")
     tuned = AutoModelForCausalLM.from_pretrained(out2)
     assert not torch.equal(tuned.transformer.h[0].mlp.c_fc.weight, model.transformer.h[0].mlp.c_fc.weight)
+
+
+def test_recipe_pipeline_x_data_parallel(tmp_path):
+    """4 processes: 2 stages x 2 replicas, TopK on the data-parallel gradients, from flags."""
+    out = tmp_path / "run"
+    env_args = ["--output_dir", str(out), "--max_train_samples", "32", "--epochs", "1", "--seq_len", "32",
+                "--batch_size", "4", "--data_parallel", "2", "--dp_compression", "topk,ratio=0.1"]
+    launch(env_args, extra_launch_args=["--num_processes", "4"])
+    result = json.loads((out / "results.json").read_text())
+    assert result["processes"] == 4 and result["steps"] == 4  # 16 rows per replica / batch 4
+    assert result["data_parallel"]["hook"] == "topk" and result["data_parallel"]["compression_ratio"] > 2
+    plan = Plan.from_pretrained(out)
+    assert plan.data_parallel == 2 and plan.dp_compression == {"method": "topk", "ratio": 0.1}
+    assert sorted(p.name for p in (out / "actcomp_state").glob("*.json")) == [f"rank{r}.json" for r in range(4)]

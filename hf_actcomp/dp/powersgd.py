@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
@@ -35,12 +37,20 @@ class PowerSGDCompressor:
         self.param_names: dict[int, str] = {}
 
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        start = time.perf_counter()
         nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
         self.bytes_uncompressed += ring_allreduce_bytes(nbytes, self.world_size)
         self.bytes_sent += ring_allreduce_bytes(self._wire_bytes(bucket), self.world_size)
         if bucket.is_last():
             self.step += 1
-        return powersgd.powerSGD_hook(self.torch_state, bucket)
+        # Finish each bucket before the next: torch chains the bucket's collectives in future
+        # callbacks, and on gloo two buckets' chains can interleave in a different order on
+        # different ranks (seen here as "Received data size doesn't match expected size").
+        result = powersgd.powerSGD_hook(self.torch_state, bucket).wait()
+        self.seconds += time.perf_counter() - start
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(result)
+        return future
 
     def _wire_bytes(self, bucket) -> int:
         if self.torch_state.iter < self.torch_state.start_powerSGD_iter:
