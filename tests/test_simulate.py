@@ -4,19 +4,10 @@ import copy
 
 import pytest
 import torch
+from pipeline_cases import padded_batch
 
 from hf_actcomp import Compression, MemoryConfig, Plan, simulate
 from hf_actcomp.debug import DEBUG_FAMILIES, debug_model
-
-
-def padded_batch(vocab: int, batch: int = 4, length: int = 12, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab, (batch, length), generator=g)
-    mask = torch.ones(batch, length, dtype=torch.long)
-    mask[1, -3:] = 0  # right padding on two rows
-    mask[batch - 1, -5:] = 0
-    labels = input_ids.masked_fill(mask == 0, -100)
-    return dict(input_ids=input_ids, attention_mask=mask, labels=labels, sample_id=torch.arange(batch))
 
 
 def assert_same_grads(model_a, model_b, atol=1e-5, rtol=1e-4):

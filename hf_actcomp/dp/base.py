@@ -46,6 +46,7 @@ class GradientCompressor(abc.ABC):
         self.cast_dtype: torch.dtype | None = None  # set by `register(cast=...)`
         self.state: dict[str, dict[str, torch.Tensor]] = {key: {} for key in self.stateful}
         self.step = 0
+        self.calls = 0  # reductions so far: seeds each call's random stream, identical on every rank
         self.bytes_sent = 0
         self.bytes_uncompressed = 0
         self.seconds = 0.0
@@ -109,10 +110,12 @@ class GradientCompressor(abc.ABC):
         """Per-parameter state and counters as flat tensors (safetensors-ready)."""
         out = {f"{key}.{name}": t for key, store in self.state.items() for name, t in store.items()}
         out["step"] = torch.tensor(self.step)
+        out["calls"] = torch.tensor(self.calls)
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.step = int(state["step"])
+        self.calls = int(state["calls"])
         for key in self.stateful:
             prefix = f"{key}."
             self.state[key] = {k[len(prefix):]: v.clone().float() for k, v in state.items() if k.startswith(prefix)}

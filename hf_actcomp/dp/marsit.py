@@ -36,7 +36,6 @@ class MarsitCompressor(GradientCompressor):
     def __init__(self, process_group=None, compensation: bool = True, seed: int = 0) -> None:
         super().__init__(process_group)
         self.compensation, self.seed = compensation, seed
-        self.calls = 0
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else list(
             range(self.world_size))
         self.next_rank = ranks[(self.rank + 1) % self.world_size]
@@ -83,10 +82,3 @@ class MarsitCompressor(GradientCompressor):
         if self.compensation:
             self._scatter_state("compensation", names, sizes, p - update)
         return update.to(flat.dtype)
-
-    def state_dict(self):
-        return super().state_dict() | {"calls": torch.tensor(self.calls)}
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        self.calls = int(state["calls"])

@@ -57,7 +57,6 @@ class QSGDCompressor(GradientCompressor):
         if not isinstance(bucket_size, int) or bucket_size < 1:
             raise ValueError(f"The 'qsgd' hook needs an integer bucket_size >= 1, got {bucket_size!r}.")
         self.levels, self.bucket_size, self.seed = levels, bucket_size, seed
-        self.calls = 0
 
     def _reduce(self, flat, names, sizes):
         n = flat.numel()
@@ -66,13 +65,6 @@ class QSGDCompressor(GradientCompressor):
         payload = qsgd_encode(flat, self.levels, self.bucket_size, g)
         total = sum(qsgd_decode(p, n, self.levels, self.bucket_size) for p in self.all_gather_bytes(payload))
         return (total / self.world_size).to(flat.dtype)
-
-    def state_dict(self):
-        return super().state_dict() | {"calls": torch.tensor(self.calls)}
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        self.calls = int(state["calls"])
 
 
 def sign_encode(p: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

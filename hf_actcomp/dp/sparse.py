@@ -71,7 +71,6 @@ class RandKCompressor(GradientCompressor):
         self.ratio = check_ratio(self.name, ratio)
         self.error_feedback = error_feedback
         self.seed = seed
-        self.calls = 0
 
     def indices(self, n: int, device: torch.device) -> torch.Tensor:
         """This call's positions: one per stratum of n / k elements (O(k), each kept w.p. k/n)."""
@@ -95,13 +94,6 @@ class RandKCompressor(GradientCompressor):
         out = torch.zeros(n, dtype=torch.float32, device=flat.device)
         out[indices] = values / self.world_size
         return out.to(flat.dtype)
-
-    def state_dict(self):
-        return super().state_dict() | {"calls": torch.tensor(self.calls)}
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        self.calls = int(state["calls"])
 
 
 class DGCCompressor(GradientCompressor):
@@ -128,7 +120,6 @@ class DGCCompressor(GradientCompressor):
         self.momentum, self.clip_norm = momentum, clip_norm
         self.warmup_steps, self.warmup_ratio = warmup_steps, check_ratio(self.name, warmup_ratio)
         self.sample_ratio, self.seed = check_ratio(self.name, sample_ratio), seed
-        self.calls = 0
 
     def current_ratio(self) -> float:
         if self.step >= self.warmup_steps or self.warmup_ratio <= self.ratio:
@@ -168,10 +159,3 @@ class DGCCompressor(GradientCompressor):
         self._scatter_state("velocity", names, sizes, v)
         total = _sparse_sum(self.all_gather_bytes(_sparse_payload(values, indices, flat.dtype)), k, n, flat)
         return total.div_(self.world_size).to(flat.dtype)
-
-    def state_dict(self):
-        return super().state_dict() | {"calls": torch.tensor(self.calls)}
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        self.calls = int(state["calls"])
