@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import checkpoint
+from ..dp import make_compressor
 from ..feedback import build_inference_codec, build_receiver, build_sender
 from ..memory import check_sample_ids
 from ..models import get_adapter
@@ -74,6 +75,9 @@ class Pipeline(nn.Module):
         self.autocast_dtype = autocast_dtype
         adapter = get_adapter(model)  # unsupported families fail here, before any collective
         ranges = stage_ranges(adapter, plan)
+        if plan.data_parallel > 1 and plan.dp_hook()[0] == "powersgd":
+            raise ValueError("Plan.dp_compression='powersgd' is torch's DDP hook; inside prepare() use one of "
+                             "allreduce, dgc, ef_sign, marsit, qsgd, randk, topk.")
         self.mesh, groups = build_mesh(plan, self.timeout)
         self.group, self.tie_group, self.dp_group = groups.pipeline, groups.tie, groups.data_parallel
         s, last = self.mesh.stage, self.mesh.num_stages - 1
@@ -108,12 +112,7 @@ class Pipeline(nn.Module):
             self.channels[f"{name}.forward"] = ChannelStats()
         self.dp_compressor = None
         if self.dp_group is not None:
-            from ..dp import make_compressor
-
             hook, params = plan.dp_hook()
-            if hook == "powersgd":
-                raise ValueError("dp_compression='powersgd' is torch's DDP hook; inside prepare() use one of "
-                                 "allreduce, dgc, ef_sign, marsit, qsgd, randk, topk.")
             self.dp_compressor = make_compressor(hook, self.dp_group, **params)
             self.dp_compressor.param_names = {id(p): n for n, p in self.stage.named_parameters()}
         self.seconds_step = 0.0
