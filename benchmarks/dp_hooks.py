@@ -18,8 +18,8 @@ import argparse
 import json
 import os
 import subprocess
-import sys
-import tempfile
+
+from launch import run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -66,30 +66,6 @@ class StarNetwork:
             subprocess.run(["ip", "netns", "del", ns], check=False)
 
 
-def run(workers: int, link: str, worker_args: list[str], net: StarNetwork | None, port: int, timeout: float):
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        procs = []
-        for rank in range(workers):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(workers), OMP_NUM_THREADS="1",
-                       MASTER_ADDR=net.addr[0] if net else "127.0.0.1", MASTER_PORT=str(port),
-                       GLOO_SOCKET_IFNAME=net.dev[rank] if net else "lo")
-            cmd = [sys.executable, WORKER, "--out", out, "--link", link, *worker_args]
-            if net:
-                cmd = ["ip", "netns", "exec", net.ns[rank], *cmd]
-            procs.append(subprocess.Popen(cmd, env=env))
-        try:
-            for proc in procs:
-                if proc.wait(timeout=timeout) != 0:
-                    raise RuntimeError(f"a worker failed ({workers} workers, {link})")
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-        with open(out) as f:
-            return json.load(f)
-
-
 def write(rows: list[dict], args) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "dp_hooks.json"), "w") as f:
@@ -132,10 +108,11 @@ def main(argv=None) -> None:
     rows = []
     port = 29700 + os.getpid() % 1000
     for i, workers in enumerate(args.workers):
-        rows += run(workers, "loss", [*common, f"--loss_steps={args.loss_steps}"], None, port + 2 * i, args.timeout)
+        rows += run_workers(WORKER, workers, "loss", [*common, f"--loss_steps={args.loss_steps}"], None,
+                            port + 2 * i, args.timeout)
         with StarNetwork(workers, args.rate) as net:
-            rows += run(workers, f"{args.rate} Mbit/s", [*common, f"--steps={args.steps}"], net, port + 2 * i + 1,
-                        args.timeout)
+            rows += run_workers(WORKER, workers, f"{args.rate} Mbit/s", [*common, f"--steps={args.steps}"], net,
+                                port + 2 * i + 1, args.timeout)
     write(rows, args)
 
 

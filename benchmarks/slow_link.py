@@ -21,8 +21,8 @@ import argparse
 import json
 import os
 import subprocess
-import sys
-import tempfile
+
+from launch import run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -68,27 +68,7 @@ class LinkedNamespaces:
 
 def run_pair(link: str, worker_args: list[str], namespaces: LinkedNamespaces | None, port: int,
              timeout: float) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        master = namespaces.addr[0] if namespaces else "127.0.0.1"
-        procs = []
-        for rank in range(2):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR=master, MASTER_PORT=str(port),
-                       OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=namespaces.dev[rank] if namespaces else "lo")
-            cmd = [sys.executable, WORKER, "--out", out, "--link", link, *worker_args]
-            if namespaces:
-                cmd = ["ip", "netns", "exec", namespaces.ns[rank], *cmd]
-            procs.append(subprocess.Popen(cmd, env=env))
-        try:
-            for proc in procs:
-                if proc.wait(timeout=timeout) != 0:
-                    raise RuntimeError(f"a worker failed on link {link}")
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-        with open(out) as f:
-            return json.load(f)["rows"]
+    return run_workers(WORKER, 2, link, worker_args, namespaces, port, timeout)["rows"]
 
 
 def summarize(rows: list[dict]) -> list[dict]:
