@@ -84,7 +84,9 @@ class EF21Receiver(Receiver):
         correction = self.codec.decode(payload, shape, torch.float32)
         g = self.current(slot, correction)
         g.add_(correction)
-        return g.to(dtype)
+        # A copy: g is updated in place by the next decode, which must not change a tensor the
+        # caller (autograd, for one) still holds.
+        return g.to(dtype, copy=True)
 
     def state_dict(self):
         state = super().state_dict()

@@ -13,8 +13,8 @@ from torch import nn
 
 from .feedback import build_inference_codec
 from .models import get_adapter
+from .models.split import stage_ranges
 from .plan import Plan
-from .simulate import stage_ranges
 from .telemetry import ChannelStats, summarize
 
 

@@ -6,6 +6,10 @@ memory (`host`, pinned when CUDA is used) or in a memory-mapped file (`mmap`) fo
 memory does not fit in RAM. Storage can be fp32/fp16/bf16, or int8 with one max-abs scale per
 token (the low-memory variant of the reference code). Allocation is lazy (the per-sample shape
 is known at the first write) and the size is logged before anything is allocated.
+
+Memory-mapped files get a unique name (store name, distributed rank, a random part) so stores and
+processes never share or truncate each other's files; a store removes the files (and temporary
+directory) it created when it is closed or garbage collected.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import tempfile
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +29,20 @@ from .plan import MEMORY_DTYPES, MEMORY_STORES, MemoryConfig
 logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+
+
+def _remove_created(created: list[str]) -> None:
+    """Remove the files and directories in `created` (newest first); a missing one is skipped."""
+    while created:
+        path = created.pop()
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
 
 
 def check_sample_ids(sample_ids: torch.Tensor | None, num_samples: int, batch_size: int) -> torch.Tensor:
@@ -65,6 +85,8 @@ class MemoryStore:
         num_samples: rows of the table (every sample id lies in `[0, num_samples)`).
         config: backend and storage dtype.
         name: identifies the store in logs and names its file for `mmap`.
+
+    `close()` (or garbage collection) removes the files an `mmap` store created.
     """
 
     def __init__(self, num_samples: int, config: MemoryConfig, name: str = "memory") -> None:
@@ -79,6 +101,12 @@ class MemoryStore:
         self.sample_shape: tuple[int, ...] | None = None
         self.values: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None  # int8 storage only: one scale per token
+        # A checkpoint loaded before the tables exist: copied in at the first access, whose device
+        # places the tables exactly as for a store that never went through a checkpoint.
+        self._loaded: dict[str, torch.Tensor] | None = None
+        self._created: list[str] = []  # mmap files and temporary directory this store made
+        self._temp_dir: str | None = None
+        self._finalizer = weakref.finalize(self, _remove_created, self._created)
 
     # ------------------------------------------------------------------ sizing and allocation
     def nbytes_for(self, sample_shape: Sequence[int]) -> int:
@@ -108,13 +136,42 @@ class MemoryStore:
             return torch.zeros(shape, dtype=dtype, device=device)
         if store == "host":
             return torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
-        directory = self.config.path or tempfile.mkdtemp(prefix="hf_actcomp_memory_")
+        return self._new_mapped_table(shape, dtype, part)
+
+    def _new_mapped_table(self, shape: tuple[int, ...], dtype: torch.dtype, part: str) -> torch.Tensor:
+        """A table in a new, uniquely named sparse file: `<name>[.rank<r>].<part>.<random>.bin`."""
+        directory = self.config.path
+        if directory is None:
+            if self._temp_dir is None:
+                self._temp_dir = tempfile.mkdtemp(prefix="hf_actcomp_memory_")
+                self._created.append(self._temp_dir)
+            directory = self._temp_dir
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"{self.name.replace('/', '_')}.{part}.bin")
+        prefix = self.name.replace("/", "_")
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            prefix += f".rank{torch.distributed.get_rank()}"
+        fd, path = tempfile.mkstemp(prefix=f"{prefix}.{part}.", suffix=".bin", dir=directory)  # O_EXCL
+        self._created.append(path)
         numel = math.prod(shape)
-        with open(path, "wb") as f:  # a sparse file of the right size; from_file maps it
-            f.truncate(numel * dtype.itemsize)
+        try:
+            os.ftruncate(fd, numel * dtype.itemsize)  # sparse: no bytes written until used
+        finally:
+            os.close(fd)
         return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+
+    def close(self) -> None:
+        """Empty the store and remove the files it created (`mmap`). Safe to call twice."""
+        self.values = self.scales = self.sample_shape = self._loaded = self._temp_dir = None
+        self.seen.zero_()
+        _remove_created(self._created)
+
+    def _materialize(self, device: torch.device) -> None:
+        """Allocate the tables for `device` and copy in the checkpoint loaded before any access."""
+        loaded, self._loaded = self._loaded, None
+        self._allocate(tuple(loaded["values"].shape[1:]), device)
+        self.values.copy_(loaded["values"])
+        if self.scales is not None:
+            self.scales.copy_(loaded["scales"])
 
     # ------------------------------------------------------------------ access
     def is_seen(self, ids: torch.Tensor) -> torch.Tensor:
@@ -123,6 +180,8 @@ class MemoryStore:
 
     def read(self, ids: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """Stored activations of `ids` (CPU int64), as `dtype` on `device`."""
+        if self.values is None and self._loaded is not None:
+            self._materialize(device)
         if self.values is None:
             raise RuntimeError(f"AQ-SGD memory {self.name} was read before any write.")
         index = ids.to(self.values.device)
@@ -135,6 +194,8 @@ class MemoryStore:
     def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Store `rows` (batch, *sample_shape) for `ids` and mark them seen."""
         sample_shape = tuple(rows.shape[1:])
+        if self.values is None and self._loaded is not None:
+            self._materialize(rows.device)
         if self.values is None:
             self._allocate(sample_shape, rows.device)
         elif sample_shape != self.sample_shape:
@@ -157,6 +218,8 @@ class MemoryStore:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {"seen": self.seen.clone()}
+        if self._loaded is not None:
+            state.update(self._loaded)
         if self.values is not None:
             state["values"] = self.values
         if self.scales is not None:
@@ -164,17 +227,39 @@ class MemoryStore:
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore `state` into this store's own tables (its store type, dtype and device).
+
+        Everything is checked before anything changes. Tables not yet allocated are allocated at
+        the next read or write, on that call's device, like a store that never went through a
+        checkpoint.
+        """
         seen = state["seen"]
         if seen.numel() != self.num_samples:
             raise ValueError(
                 f"AQ-SGD memory {self.name}: checkpoint has {seen.numel()} samples, this plan has "
                 f"{self.num_samples}."
             )
+        values = state.get("values")
+        if values is not None:
+            saved = _DTYPE_NAMES.get(values.dtype, str(values.dtype))
+            if (saved == "int8") != (self.config.dtype == "int8"):
+                raise ValueError(
+                    f"AQ-SGD memory {self.name}: the checkpoint holds {saved} memory but this store is "
+                    f"configured with dtype={self.config.dtype!r} (store={self.config.store!r}); int8 "
+                    "and float memory cannot be converted. Resume with the MemoryConfig.dtype the "
+                    "checkpoint was saved with."
+                )
+            if self.values is not None and tuple(values.shape) != tuple(self.values.shape):
+                raise ValueError(
+                    f"AQ-SGD memory {self.name}: the checkpoint holds samples of shape "
+                    f"{tuple(values.shape[1:])}, this store {self.sample_shape}."
+                )
         self.seen.copy_(seen)
-        if "values" in state:
-            values = state["values"]
-            if self.values is None:
-                self._allocate(tuple(values.shape[1:]), values.device)
-            self.values.copy_(values)
-            if "scales" in state:
-                self.scales.copy_(state["scales"])
+        if values is None:
+            return
+        if self.values is None:
+            self._loaded = {k: state[k].clone() for k in ("values", "scales") if k in state}  # a snapshot
+            return
+        self.values.copy_(values)
+        if self.scales is not None:
+            self.scales.copy_(state["scales"])

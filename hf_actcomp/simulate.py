@@ -14,8 +14,9 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .feedback import Receiver, Sender, build_inference_codec, build_receiver, build_sender
-from .models import ModelAdapter, get_adapter
+from .boundary import Boundary, prefixed, unprefixed
+from .models import get_adapter
+from .models.split import stage_ranges
 from .plan import Plan
 from .telemetry import ChannelStats, summarize
 
@@ -23,91 +24,24 @@ from .telemetry import ChannelStats, summarize
 _IGNORED_KWARGS = frozenset({"return_dict", "use_cache", "output_attentions", "output_hidden_states"})
 
 
-def stage_ranges(adapter: ModelAdapter, plan: Plan) -> list[range]:
-    """The plan's block ranges for this model, balanced by parameter count unless explicit."""
-
-    def count(modules: list[nn.Module]) -> int:
-        return sum(p.numel() for m in modules for p in m.parameters())
-
-    blocks = adapter.blocks()
-    return plan.stage_ranges(
-        adapter.num_blocks,
-        [count([b]) for b in blocks],
-        count(adapter.embedding_modules()),
-        count(adapter.head_modules()),
-    )
-
-
-class BoundaryLink:
-    """Both directions of one stage boundary, sender and receiver side by side."""
-
-    def __init__(self, index: int, plan: Plan) -> None:
-        name = f"boundary{index}"
-        self.name = name
-        self.forward_sender: Sender = build_sender(plan.forward, plan.memory, f"{name}.forward")
-        self.forward_receiver: Receiver = build_receiver(plan.forward, plan.memory, f"{name}.forward")
-        self.backward_sender: Sender = build_sender(plan.backward, None, f"{name}.backward")
-        self.backward_receiver: Receiver = build_receiver(plan.backward, None, f"{name}.backward")
-        self.inference_encoder = build_inference_codec(plan.forward)
-        self.inference_decoder = build_inference_codec(plan.forward)
-        self.stats = {"forward": ChannelStats(), "backward": ChannelStats()}
-
-    def send_forward(self, h: torch.Tensor, sample_ids: torch.Tensor | None, slot: int) -> torch.Tensor:
-        stats = self.stats["forward"]
-        with stats.timing("encode"):
-            payload = self.forward_sender.encode(h, sample_ids=sample_ids, slot=slot)
-        with stats.timing("decode"):
-            out = self.forward_receiver.decode(payload, h.shape, h.dtype, sample_ids=sample_ids, slot=slot)
-        stats.record(h, payload.numel(), out)
-        return out
-
-    def send_backward(self, g: torch.Tensor, slot: int) -> torch.Tensor:
-        stats = self.stats["backward"]
-        with stats.timing("encode"):
-            payload = self.backward_sender.encode(g, slot=slot)
-        with stats.timing("decode"):
-            out = self.backward_receiver.decode(payload, g.shape, g.dtype, slot=slot)
-        stats.record(g, payload.numel(), out)
-        return out
-
-    def infer(self, h: torch.Tensor) -> torch.Tensor:
-        """Stateless forward compression for evaluation (no memory or feedback updates)."""
-        payload = self.inference_encoder.encode(h.detach())
-        return self.inference_decoder.decode(payload, h.shape, h.dtype)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        parts = {
-            "forward_sender": self.forward_sender,
-            "forward_receiver": self.forward_receiver,
-            "backward_sender": self.backward_sender,
-            "backward_receiver": self.backward_receiver,
-        }
-        return {f"{p}.{k}": v for p, obj in parts.items() for k, v in obj.state_dict().items()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for part in ("forward_sender", "forward_receiver", "backward_sender", "backward_receiver"):
-            prefix = f"{part}."
-            getattr(self, part).load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-
-
 class _CompressedBoundary(torch.autograd.Function):
-    """Forward: activation through the forward channel. Backward: gradient through the backward
-    channel. The receiver's output stands in for the sender's activation (straight-through)."""
+    """Forward: activation through the forward boundary. Backward: gradient through the backward
+    boundary. The receiver's output stands in for the sender's activation (straight-through)."""
 
     @staticmethod
-    def forward(ctx, h, link: BoundaryLink, sample_ids, slot: int):
-        ctx.link, ctx.slot = link, slot
-        return link.send_forward(h.detach(), sample_ids, slot)
+    def forward(ctx, h, forward: Boundary, backward: Boundary, sample_ids, slot: int):
+        ctx.backward_boundary, ctx.slot = backward, slot
+        return forward.transfer(h.detach(), sample_ids=sample_ids, slot=slot)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.link.send_backward(grad.contiguous(), ctx.slot), None, None, None
+        return ctx.backward_boundary.transfer(grad.contiguous(), slot=ctx.slot), None, None, None, None
 
 
 class _InferenceBoundary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, link: BoundaryLink):
-        return link.infer(h)
+    def forward(ctx, h, forward: Boundary):
+        return forward.inference_transfer(h)
 
     @staticmethod
     def backward(ctx, grad):
@@ -134,7 +68,12 @@ class SimulatedPipeline(nn.Module):
             self.adapter.build_stage(r.start, r.stop, first=i == 0, last=i == last)
             for i, r in enumerate(self.ranges)
         ]
-        self.links = [BoundaryLink(i, plan) for i in range(last)]
+        # Both ends of every boundary direction live here: `boundary{b}.forward` / `.backward`.
+        self.boundaries: dict[str, Boundary] = {}
+        for b in range(last):
+            for name, compression, memory in (("forward", plan.forward, plan.memory), ("backward", plan.backward, None)):
+                self.boundaries[f"boundary{b}.{name}"] = Boundary(f"boundary{b}.{name}", compression, memory,
+                                                                  track_error=False)
 
     @property
     def config(self):
@@ -146,13 +85,17 @@ class SimulatedPipeline(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         sample_id: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        """Run the stages micro-batch by micro-batch. The loss is the HF model's: the mean over
+        label tokens, or their sum divided by `num_items_in_batch` when given (as
+        `transformers.Trainer` passes it under gradient accumulation)."""
         unknown = set(kwargs) - _IGNORED_KWARGS
         if unknown:
             raise TypeError(
                 f"SimulatedPipeline.forward got unsupported arguments {sorted(unknown)}; it takes "
-                "input_ids, attention_mask, labels and sample_id."
+                "input_ids, attention_mask, labels, sample_id and num_items_in_batch."
             )
         batch = input_ids.shape[0]
         num_micro = self.plan.micro_batches
@@ -171,9 +114,9 @@ class SimulatedPipeline(nn.Module):
         def split(t: torch.Tensor | None) -> list:
             return [None] * num_micro if t is None else list(torch.tensor_split(t, num_micro))
 
-        num_items = None
-        if labels is not None and num_micro > 1:
-            num_items = (labels[..., 1:] != -100).sum()
+        num_items = num_items_in_batch
+        if num_items is None and labels is not None and num_micro > 1:
+            num_items = (labels[..., 1:] != -100).sum()  # per-micro-batch means would weight rows unevenly
         logits_parts, loss = [], None
         for slot, (ids, mask, lab, sid) in enumerate(
             zip(split(input_ids), split(attention_mask), split(labels), split(sample_id), strict=False)
@@ -181,12 +124,12 @@ class SimulatedPipeline(nn.Module):
             h = ids
             for s, stage in enumerate(self.stages):
                 h = stage(h, mask)
-                if s < len(self.links):
-                    link = self.links[s]
+                if s < len(self.stages) - 1:
+                    forward = self.boundaries[f"boundary{s}.forward"]
                     if compress:
-                        h = _CompressedBoundary.apply(h, link, sid, slot)
+                        h = _CompressedBoundary.apply(h, forward, self.boundaries[f"boundary{s}.backward"], sid, slot)
                     else:
-                        h = _InferenceBoundary.apply(h, link)
+                        h = _InferenceBoundary.apply(h, forward)
             logits_parts.append(h)
             if lab is not None:
                 part = self.model.loss_function(
@@ -198,22 +141,22 @@ class SimulatedPipeline(nn.Module):
 
     def stats(self) -> dict:
         """Bytes sent vs uncompressed, compression ratio and relative error per boundary direction."""
-        return summarize(
-            {f"{link.name}.{d}": link.stats[d] for link in self.links for d in ("forward", "backward")}
-        )
+        return summarize({name: b.stats for name, b in self.boundaries.items()})
 
     def reset_stats(self) -> None:
-        for link in self.links:
-            link.stats = {"forward": ChannelStats(), "backward": ChannelStats()}
+        for b in self.boundaries.values():
+            b.stats = ChannelStats()
 
     def compression_state_dict(self) -> dict[str, torch.Tensor]:
         """Error-feedback buffers, AQ-SGD memories and codec counters of every boundary."""
-        return {f"{link.name}.{k}": v for link in self.links for k, v in link.state_dict().items()}
+        state: dict[str, torch.Tensor] = {}
+        for name, b in self.boundaries.items():
+            state.update(prefixed(b.state_dict(), name))
+        return state
 
     def load_compression_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for link in self.links:
-            prefix = f"{link.name}."
-            link.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        for name, b in self.boundaries.items():
+            b.load_state_dict(unprefixed(state, name))
 
 
 def simulate(model: nn.Module, plan: Plan) -> SimulatedPipeline:

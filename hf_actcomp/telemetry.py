@@ -1,5 +1,6 @@
-"""Counters for what crosses a boundary: bytes actually handed over, the uncompressed size, the
-relative reconstruction error and the time spent encoding and decoding."""
+"""Counters for what crosses between ranks: per boundary direction the bytes actually handed over,
+the uncompressed size, the relative reconstruction error and the time spent encoding and decoding;
+per other category (tied-embedding rows, collectives, data-parallel hook) the bytes."""
 
 from __future__ import annotations
 
@@ -72,14 +73,63 @@ class ChannelStats:
         }
 
 
-def summarize(channels: dict[str, ChannelStats]) -> dict:
-    """Totals over named channels (e.g. `boundary0.forward`) plus each channel's own counters."""
-    sent = sum(c.bytes_sent for c in channels.values())
-    raw = sum(c.bytes_uncompressed for c in channels.values())
+@dataclass
+class TrafficCounter:
+    """Bytes of one category of traffic that is not a boundary payload (tie rows, collectives).
+
+    `bytes_uncompressed` is what the same exchange costs without compression; for lossless
+    traffic the two are equal.
+    """
+
+    messages: int = 0
+    bytes_sent: int = 0
+    bytes_uncompressed: int = 0
+
+    def add(self, nbytes: int, uncompressed: int | None = None) -> None:
+        self.messages += 1
+        self.bytes_sent += int(nbytes)
+        self.bytes_uncompressed += int(nbytes if uncompressed is None else uncompressed)
+
+    def as_dict(self) -> dict[str, int | float]:
+        return {"messages": self.messages, "bytes_sent": self.bytes_sent,
+                "bytes_uncompressed": self.bytes_uncompressed,
+                "compression_ratio": self.bytes_uncompressed / self.bytes_sent if self.bytes_sent else 1.0}
+
+
+# What crosses between ranks, by category (see `summarize`).
+CATEGORIES = ("activations", "activation_gradients", "tie", "collectives", "data_parallel")
+
+
+def summarize(channels: dict[str, ChannelStats],
+              traffic: dict[str, TrafficCounter | dict] | None = None) -> dict:
+    """Totals over named boundary channels (e.g. `boundary0.forward`) and other traffic.
+
+    `categories` splits the bytes into activations (`*.forward` channels), activation gradients
+    (`*.backward`), and each entry of `traffic` (tie rows, loss/token-count collectives, the
+    data-parallel hook; a dict there needs `bytes_sent` and `bytes_uncompressed`). The totals and
+    `compression_ratio` cover all of it.
+    """
+    def total(items) -> dict[str, int]:
+        items = list(items)
+        return {"bytes_sent": sum(c.bytes_sent for c in items),
+                "bytes_uncompressed": sum(c.bytes_uncompressed for c in items)}
+
+    categories = {
+        "activations": total(c for n, c in channels.items() if n.endswith(".forward")),
+        "activation_gradients": total(c for n, c in channels.items() if n.endswith(".backward")),
+    }
+    for name, counter in (traffic or {}).items():
+        d = counter if isinstance(counter, dict) else counter.as_dict()
+        categories[name] = {"bytes_sent": int(d["bytes_sent"]), "bytes_uncompressed": int(d["bytes_uncompressed"])}
+    for c in categories.values():
+        c["compression_ratio"] = c["bytes_uncompressed"] / c["bytes_sent"] if c["bytes_sent"] else 1.0
+    sent = sum(c["bytes_sent"] for c in categories.values())
+    raw = sum(c["bytes_uncompressed"] for c in categories.values())
     return {
         "bytes_sent": sent,
         "bytes_uncompressed": raw,
         "compression_ratio": raw / sent if sent else 1.0,
+        "categories": categories,
         "relative_error": {name: c.relative_error for name, c in channels.items()},
         "channels": {name: c.as_dict() for name, c in channels.items()},
     }

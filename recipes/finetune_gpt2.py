@@ -174,7 +174,7 @@ def main(argv=None) -> dict:
     if distributed and plan.data_parallel > 1:
         # Pipeline replicas train on disjoint shards; the stages of one replica on the same one.
         # (sample_id keeps the global row index, so AQ-SGD memory stays keyed by dataset row.)
-        train = train.shard(runner.num_replicas, runner.replica, contiguous=True)
+        train = runner.shard_dataset(train)  # equal shards: no replica waits for another forever
     train_loader = DataLoader(train.with_format("torch"), batch_size=args.batch_size, shuffle=True,
                               collate_fn=default_data_collator, drop_last=True, generator=generator)
     eval_loader = DataLoader(evaluation.with_format("torch"), batch_size=args.batch_size,
@@ -222,6 +222,7 @@ def main(argv=None) -> dict:
         "bytes_sent": stats["bytes_sent"],
         "bytes_uncompressed": stats["bytes_uncompressed"],
         "compression_ratio": stats["compression_ratio"],
+        "categories": stats["categories"],
         "relative_error": stats["relative_error"],
     }
     if distributed:

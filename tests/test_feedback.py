@@ -134,3 +134,15 @@ def test_inference_codec_fallbacks():
     assert build_inference_codec(Compression("aqsgd", bits=3)).name == "quantize"
     assert build_inference_codec(Compression("aqsgd", bits=3, inference="none")).name == "none"
     assert build_inference_codec(Compression("topk", ratio=0.1, feedback="ef")).name == "topk"
+
+
+def test_ef21_receiver_output_does_not_alias_its_estimate():
+    sender, receiver = pair(Compression("quantize", bits=4, feedback="ef21"))
+    x = torch.randn(2, 3, 32)
+    out = receiver.decode(sender.encode(x, slot=0), x.shape, x.dtype, slot=0)
+    estimate = receiver.estimates[0]
+    assert out.data_ptr() != estimate.data_ptr()
+    assert sender.last_reconstruction.data_ptr() != sender.mirror.estimates[0].data_ptr()
+    before = estimate.clone()
+    out.add_(1.0)  # a caller may modify what it was given without touching the shared state
+    assert torch.equal(estimate, before)

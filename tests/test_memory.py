@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -24,11 +26,9 @@ def test_store_round_trip(tmp_path, store, dtype):
     scale = expected.abs().amax(dim=-1, keepdim=True)
     assert ((back - expected).abs() <= tol * scale + 1e-7).all()
     if store == "mmap":
-        files = sorted(p.name for p in tmp_path.iterdir())
-        assert "b0.values.bin" in files
-        assert (tmp_path / "b0.values.bin").stat().st_size == mem.nbytes_for((4, 8)) - (
-            10 * 4 * 4 if dtype == "int8" else 0
-        )
+        files = {p.name.split(".")[1]: p for p in tmp_path.iterdir()}  # b0.<part>.<unique>.bin
+        assert sorted(files) == (["scales", "values"] if dtype == "int8" else ["values"])
+        assert files["values"].stat().st_size == mem.nbytes_for((4, 8)) - (10 * 4 * 4 if dtype == "int8" else 0)
 
 
 def test_state_dict_round_trip():
@@ -80,3 +80,105 @@ def test_size_is_logged_before_allocation(caplog):
     with caplog.at_level(logging.INFO, logger="hf_actcomp.memory"):
         mem.write(torch.tensor([0]), torch.zeros(1, 128, 768))
     assert "boundary0: 1000 samples x (128, 768) x fp16 = 187.50 MiB (host store)" in caplog.text
+
+
+def _filled(config, name="memory"):
+    mem = MemoryStore(config.num_samples, config, name=name)
+    mem.write(torch.tensor([1, 4]), torch.randn(2, 3, 8))
+    return mem
+
+
+@pytest.mark.parametrize("saved, configured", [("int8", "fp16"), ("fp16", "int8")])
+def test_int8_and_float_checkpoints_do_not_mix(saved, configured):
+    state = _filled(MemoryConfig(dtype=saved, num_samples=6)).state_dict()
+    target = MemoryStore(6, MemoryConfig(dtype=configured, num_samples=6), name="b0")
+    with pytest.raises(ValueError, match=rf"b0: the checkpoint holds {saved} memory but this store is configured "
+                                         rf"with dtype='{configured}'"):
+        target.load_state_dict(state)
+    assert not target.seen.any() and target.values is None  # nothing touched
+
+
+def test_load_copies_into_the_store_own_buffers():
+    config = MemoryConfig(store="host", dtype="fp16", num_samples=6)
+    a = _filled(config)
+    b = _filled(config)
+    buffer = b.values
+    b.load_state_dict({k: v.float() if k == "values" else v for k, v in a.state_dict().items()})
+    assert b.values is buffer and b.values.dtype == torch.float16
+    ids = torch.tensor([1, 4])
+    assert torch.equal(a.read(ids, torch.device("cpu"), torch.float32), b.read(ids, torch.device("cpu"), torch.float32))
+
+
+def test_a_resumed_store_saves_what_it_loaded():
+    """Tables are allocated at the first access after a resume (on that access's device); a
+    checkpoint taken before that access must still hold the memory."""
+    a = _filled(MemoryConfig(store="device", dtype="fp32", num_samples=6))
+    b = MemoryStore(6, a.config)
+    b.load_state_dict(a.state_dict())
+    c = MemoryStore(6, a.config)
+    c.load_state_dict(b.state_dict())
+    ids = torch.tensor([1, 4])
+    assert torch.equal(c.read(ids, torch.device("cpu"), torch.float32), a.read(ids, torch.device("cpu"), torch.float32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="placement after a resume needs a CUDA device")
+@pytest.mark.parametrize("store", ["device", "host"])
+def test_resumed_store_is_placed_like_a_fresh_one(store):
+    cuda = torch.device("cuda")
+    config = MemoryConfig(store=store, dtype="fp16", num_samples=6)
+    a = MemoryStore(6, config)
+    a.write(torch.tensor([1, 4]), torch.randn(2, 3, 8, device=cuda))
+    checkpoint = {k: v.cpu() for k, v in a.state_dict().items()}  # as safetensors.load_file returns it
+    b = MemoryStore(6, config)
+    b.load_state_dict(checkpoint)
+    out = b.read(torch.tensor([1, 4]), cuda, torch.float32)
+    assert torch.equal(out, a.read(torch.tensor([1, 4]), cuda, torch.float32))
+    assert b.values.device == a.values.device and b.values.dtype == torch.float16
+    assert b.values.is_pinned() == a.values.is_pinned() == (store == "host")
+
+
+def _mmap(path, num_samples=4):
+    return MemoryConfig(store="mmap", dtype="fp32", num_samples=num_samples, path=None if path is None else str(path))
+
+
+def test_mmap_stores_with_the_same_name_use_different_files(tmp_path, monkeypatch):
+    a, b = MemoryStore(4, _mmap(tmp_path), name="b0"), MemoryStore(4, _mmap(tmp_path), name="b0")
+    rows = torch.randn(2, 3, 8)
+    a.write(torch.tensor([0, 1]), rows)
+    b.write(torch.tensor([0, 1]), torch.zeros(2, 3, 8))
+    assert len(list(tmp_path.iterdir())) == 2
+    assert torch.equal(a.read(torch.tensor([0, 1]), torch.device("cpu"), torch.float32), rows)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 3)
+    c = MemoryStore(4, _mmap(tmp_path), name="b1")
+    c.write(torch.tensor([0]), rows[:1])
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("b1.")][0].startswith("b1.rank3.values.")
+
+
+def test_mmap_store_does_not_truncate_existing_files(tmp_path):
+    existing = tmp_path / "b0.values.bin"  # e.g. mapped by another process
+    existing.write_bytes(b"x" * 100)
+    MemoryStore(4, _mmap(tmp_path), name="b0").write(torch.tensor([0]), torch.ones(1, 3, 8))
+    assert existing.read_bytes() == b"x" * 100
+
+
+@pytest.mark.parametrize("in_temp_dir", [True, False])
+@pytest.mark.parametrize("how", ["close", "del"])
+def test_mmap_store_removes_what_it_created(tmp_path, in_temp_dir, how):
+    import gc
+
+    mem = MemoryStore(4, _mmap(None if in_temp_dir else tmp_path), name="b0")
+    mem.write(torch.tensor([0]), torch.ones(1, 3, 8))
+    directory = os.path.dirname(mem.values.untyped_storage().filename)
+    assert os.listdir(directory)
+    if how == "close":
+        mem.close()
+        assert mem.values is None and not mem.seen.any()
+        mem.close()  # idempotent
+    else:
+        del mem
+        gc.collect()
+    if in_temp_dir:
+        assert not os.path.exists(directory)
+    else:
+        assert os.listdir(directory) == []

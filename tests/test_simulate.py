@@ -114,8 +114,8 @@ def test_aqsgd_training_reduces_loss_and_bytes():
     assert epoch_bytes[0] == num_samples * 16 * hidden * 4  # first visit: uncompressed fp32
     assert epoch_bytes[1] == num_samples * 16 * hidden * 2 // 8 + num_samples * 16 * hidden // 128 * 4
     assert losses[-1] < losses[0] * 0.8
-    link = sim.links[0]
-    assert torch.equal(link.forward_sender.mirror.memory.values, link.forward_receiver.memory.values)
+    forward = sim.boundaries["boundary0.forward"]
+    assert torch.equal(forward.sender.mirror.memory.values, forward.receiver.memory.values)
 
 
 def test_eval_mode_is_stateless():
@@ -129,7 +129,7 @@ def test_eval_mode_is_stateless():
         a = sim(**batch).logits
         b = sim(**{k: v for k, v in batch.items() if k != "sample_id"}).logits
     assert torch.equal(a, b)  # AQ-SGD falls back to direct 4-bit quantization, no memory
-    assert not sim.links[0].forward_receiver.memory.seen.any()
+    assert not sim.boundaries["boundary0.forward"].receiver.memory.seen.any()
     full = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     assert not torch.equal(a, full)
 
@@ -167,3 +167,55 @@ def test_bad_calls_fail_clearly():
         simulate(model, {"num_stages": 2})
     with pytest.raises(ValueError, match="more than the model's 4 blocks"):
         simulate(model, Plan(num_stages=5, schedule="gpipe"))
+
+
+def test_ef21_two_forwards_then_one_backward():
+    """The EF21 receiver's estimate is updated in place on every forward: what it hands to autograd
+    must be a copy, or the first forward's graph is invalidated by the second."""
+    model = debug_model("gpt2")
+    plan = Plan(num_stages=2, forward=Compression("quantize", bits=4, feedback="ef21"),
+                backward=Compression("quantize", bits=8, feedback="ef21"))
+    sim = simulate(model, plan)
+    batch = padded_batch(model.config.vocab_size)
+    first = sim(**batch).loss
+    second = sim(**batch).loss
+    (first + second).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_num_items_in_batch_normalises_like_the_model(micro_batches):
+    model = debug_model("llama", seed=0)
+    reference = copy.deepcopy(model)
+    batch = padded_batch(model.config.vocab_size)
+    num_items = torch.tensor(50)  # e.g. the token count of the whole accumulated step
+    sim = simulate(model, Plan(num_stages=2, micro_batches=micro_batches, schedule="gpipe"))
+    out = sim(**batch, num_items_in_batch=num_items)
+    ref = reference(**{k: v for k, v in batch.items() if k != "sample_id"}, num_items_in_batch=num_items)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-5)
+    out.loss.backward()
+    ref.loss.backward()
+    assert_same_grads(model, reference)
+
+
+def test_trains_with_transformers_trainer(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = debug_model("gpt2")
+    plan = Plan(num_stages=2, micro_batches=2, forward=Compression("aqsgd", bits=4),
+                backward=Compression("quantize", bits=8), memory=MemoryConfig(num_samples=8, dtype="fp32"))
+    sim = simulate(model, plan)
+    g = torch.Generator().manual_seed(0)
+    data = [
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(), "sample_id": torch.tensor(i)}
+        for i, ids in enumerate(torch.randint(0, model.config.vocab_size, (8, 12), generator=g))
+    ]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
+                             report_to=[], use_cpu=True, save_strategy="no", logging_steps=1)
+    before = copy.deepcopy(model.state_dict())
+    trainer = Trainer(model=sim, args=args, train_dataset=data)
+    assert trainer.model_accepts_loss_kwargs  # so Trainer passes num_items_in_batch to sim
+    result = trainer.train()
+    assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert sim.boundaries["boundary0.forward"].receiver.memory.seen.all()  # both steps went through the boundary

@@ -21,13 +21,16 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import checkpoint
+from ..boundary import Boundary
 from ..dp import make_compressor
-from ..feedback import build_inference_codec, build_receiver, build_sender
-from ..memory import check_sample_ids
+from ..dp.base import ring_allreduce_bytes
 from ..models import get_adapter
+from ..models.split import stage_ranges
 from ..plan import Plan
-from ..simulate import stage_ranges
-from ..telemetry import ChannelStats, summarize
+from ..telemetry import TrafficCounter, summarize
+from . import checkpointing
+from .batching import MicroBatch, check_batch, count_label_tokens, split_batch
+from .gradsync import GradientSync, TiedEmbedding
 from .mesh import build_mesh
 from .schedule import stage_actions
 from .transport import Transport
@@ -35,7 +38,7 @@ from .transport import Transport
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 300.0
-COMPRESSION_STATE_DIR = "actcomp_state"
+COMPRESSION_STATE_DIR = checkpointing.COMPRESSION_STATE_DIR
 
 
 @dataclass
@@ -43,7 +46,8 @@ class StepOutput:
     """What `train_step` / `eval_step` return on every rank.
 
     `loss` is the token-weighted mean over the whole batch (all micro-batches), as the unsplit
-    model's `model(**batch).loss`; `num_tokens` is the number of tokens it averages over.
+    model's `model(**batch).loss` (or, given `num_items_in_batch`, the token sum divided by it);
+    `num_tokens` is the number of label tokens in this rank's batch.
     """
 
     loss: torch.Tensor
@@ -54,7 +58,9 @@ class Pipeline(nn.Module):
     """This rank's stage of a model split by `plan`, with compressed boundaries to its neighbours.
 
     Use `parameters()` with any optimizer; call `train_step(batch)` with the SAME batch on every
-    rank, then `clip_grad_norm_`, `optimizer.step()` and `zero_grad()` as usual.
+    rank of a pipeline, then `clip_grad_norm_`, `optimizer.step()` and `zero_grad()` as usual.
+    For gradient accumulation, run the micro-steps under `no_sync()` (or `sync=False`) and the
+    last one without; pass `num_items_in_batch` to normalise by the tokens of all of them.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, *, device: torch.device | str | None = None,
@@ -70,16 +76,23 @@ class Pipeline(nn.Module):
             )
         if timeout <= 0:
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+        if autocast_dtype == torch.float16:
+            raise ValueError("autocast_dtype=torch.float16 needs loss scaling (a GradScaler), which the pipeline "
+                             "does not do; use autocast_dtype=torch.bfloat16 (or None for full precision).")
+        if autocast_dtype not in (None, torch.bfloat16):
+            raise ValueError(f"autocast_dtype={autocast_dtype!r} is not supported; use torch.bfloat16 or None.")
         self.plan = plan
         self.timeout = float(timeout)
         self.autocast_dtype = autocast_dtype
         adapter = get_adapter(model)  # unsupported families fail here, before any collective
         ranges = stage_ranges(adapter, plan)
+        self.tied_pairs = adapter.tied_weights()
+        _check_tied_embeddings(model, self.tied_pairs)
         if plan.data_parallel > 1 and plan.dp_hook()[0] == "powersgd":
             raise ValueError("Plan.dp_compression='powersgd' is torch's DDP hook; inside prepare() use one of "
                              "allreduce, dgc, ef_sign, marsit, qsgd, randk, topk.")
         self.mesh, groups = build_mesh(plan, self.timeout)
-        self.group, self.tie_group, self.dp_group = groups.pipeline, groups.tie, groups.data_parallel
+        self.group, self.dp_group = groups.pipeline, groups.data_parallel
         s, last = self.mesh.stage, self.mesh.num_stages - 1
         self.ranges = ranges
         self.config = model.config
@@ -88,33 +101,33 @@ class Pipeline(nn.Module):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL collectives and *_object calls use the current device
         stage = adapter.build_stage(ranges[s].start, ranges[s].stop, first=s == 0, last=s == last)
-        _free_other_parameters(model, stage)
+        checkpointing.free_other_parameters(model, stage)
         self.stage = stage.to(self.device)
         self.boundary_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.hidden_size = int(self.config.hidden_size)
-        self.tied = self._tied_parameters(adapter)
-        self.transport = Transport(self.group, self.mesh.rank, self.timeout)
+        self.transport = Transport(self.group, self.mesh.rank, self.timeout, self.device)
+        # Bytes outside the boundary channels; `evaluation` is everything `eval_step` sends.
+        self.traffic = {"tie": TrafficCounter(), "collectives": TrafficCounter(), "evaluation": TrafficCounter()}
 
         # The ends of the two boundaries this stage touches (boundary b joins stage b and b+1).
-        self.forward_receiver = self.backward_sender = self.forward_sender = self.backward_receiver = None
-        self.channels: dict[str, ChannelStats] = {}
+        self.forward_in = self.backward_out = self.forward_out = self.backward_in = None
         if s > 0:
-            name = f"boundary{s - 1}"
-            self.forward_receiver = build_receiver(plan.forward, plan.memory, f"{name}.forward")
-            self.backward_sender = build_sender(plan.backward, None, f"{name}.backward", track_error=track_error)
-            self.inference_decoder = build_inference_codec(plan.forward)
-            self.channels[f"{name}.backward"] = ChannelStats()
+            self.forward_in = Boundary(f"boundary{s - 1}.forward", plan.forward, plan.memory, sender=False)
+            self.backward_out = Boundary(f"boundary{s - 1}.backward", plan.backward, receiver=False,
+                                         track_error=track_error)
         if s < last:
-            name = f"boundary{s}"
-            self.forward_sender = build_sender(plan.forward, plan.memory, f"{name}.forward", track_error=track_error)
-            self.backward_receiver = build_receiver(plan.backward, None, f"{name}.backward")
-            self.inference_encoder = build_inference_codec(plan.forward)
-            self.channels[f"{name}.forward"] = ChannelStats()
+            self.forward_out = Boundary(f"boundary{s}.forward", plan.forward, plan.memory, receiver=False,
+                                        track_error=track_error)
+            self.backward_in = Boundary(f"boundary{s}.backward", plan.backward, sender=False)
         self.dp_compressor = None
         if self.dp_group is not None:
             hook, params = plan.dp_hook()
             self.dp_compressor = make_compressor(hook, self.dp_group, **params)
             self.dp_compressor.param_names = {id(p): n for n, p in self.stage.named_parameters()}
+        self.tie = self._tied_embedding()
+        self.grads = GradientSync(self.stage, self.mesh, self.group, self.dp_compressor, self.tie,
+                                  self.traffic["collectives"])
+        self._sync = True
         self.seconds_step = 0.0
         self.steps = 0
 
@@ -140,37 +153,69 @@ class Pipeline(nn.Module):
     def is_last(self) -> bool:
         return self.mesh.is_last
 
-    def _tied_parameters(self, adapter) -> list[nn.Parameter]:
-        """This stage's copies of parameters tied between the first and the last stage."""
-        if self.mesh.num_stages == 1:
-            return []
+    @property
+    def boundaries(self) -> dict[str, Boundary]:
+        """The boundary ends this rank holds, by name (`boundary0.forward`, ...)."""
+        ends = (self.forward_in, self.backward_out, self.forward_out, self.backward_in)
+        return {b.name: b for b in ends if b is not None}
+
+    def _tied_embedding(self) -> TiedEmbedding | None:
+        """This stage's end of the embedding tied between the first and the last stage."""
+        if self.mesh.num_stages == 1 or not (self.is_first or self.is_last):
+            return None
         own = dict(self.stage.named_parameters())
-        names = [first if self.is_first else later for later, first in adapter.tied_weights()]
-        found = [own[n] for n in names if n in own]
-        return found if (self.is_first or self.is_last) else []
+        for later, first in self.tied_pairs:
+            name = first if self.is_first else later
+            if name in own:
+                return TiedEmbedding(own[name], self.mesh, self.transport, self.traffic["tie"])
+        return None
 
     # ------------------------------------------------------------------------- steps
-    def train_step(self, batch: dict[str, torch.Tensor]) -> StepOutput:
-        """Forward and backward of all micro-batches of `batch` (the same batch on every rank).
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients without averaging over replicas (as DDP's `no_sync`): run all
+        accumulation micro-steps but the last inside it."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
 
-        Gradients accumulate into this stage's parameters; the loss is returned on every rank.
+    def train_step(self, batch: dict[str, torch.Tensor], *, num_items_in_batch: int | torch.Tensor | None = None,
+                   sync: bool | None = None) -> StepOutput:
+        """Forward and backward of all micro-batches of `batch` (the same batch on every rank of
+        this pipeline). Gradients accumulate into this stage's parameters.
+
+        Args:
+            num_items_in_batch: label tokens of the whole optimizer step (all accumulation
+                micro-steps, all replicas); the loss is the token sum divided by it, as
+                `model(**batch, num_items_in_batch=...)`. Default: this step's tokens.
+            sync: average over replicas after this step (default: True outside `no_sync()`).
         """
+        check_batch(batch, self.plan, training=True)
         self.stage.train()
         start = time.perf_counter()
-        micro, num_items, num_tokens = self._split_batch(batch, training=True)
+        micro = split_batch(batch, self.plan.micro_batches, self.device)
+        num_tokens = count_label_tokens(batch["labels"])
+        normaliser = self._loss_normaliser(num_tokens, num_items_in_batch)
+        if self.tie is not None:
+            self.tie.share_rows(batch["input_ids"])
         saved: dict[int, tuple] = {}
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         actions = stage_actions(self.plan.schedule, self.stage_index, self.mesh.num_stages, len(micro))
-        for kind, i in actions:
+        for k, (kind, i) in enumerate(actions):
+            pair = k + 1 < len(actions) and self._receives(actions[k + 1][0])
             if kind == "F":
-                saved[i] = self._forward(i, micro[i], num_items)
+                saved[i] = self._forward(i, micro[i], normaliser, pair)
                 if self.is_last:
                     total += saved[i][1].detach().float()
             else:
-                self._backward(i, *saved.pop(i))
+                self._backward(i, *saved.pop(i), pair)
+        if self.tie is not None:
+            self.tie.gather_gradient(batch["input_ids"])
         self.transport.flush()
-        self._sync_tied_gradients()
-        self._average_over_replicas()
+        if self._sync if sync is None else sync:
+            self.grads.average_over_replicas()
         loss = self._broadcast_loss(self._mean_over_replicas(total))
         self.seconds_step += time.perf_counter() - start
         self.steps += 1
@@ -179,265 +224,223 @@ class Pipeline(nn.Module):
     @torch.no_grad()
     def eval_step(self, batch: dict[str, torch.Tensor]) -> StepOutput:
         """Loss of `batch` without gradients, through the stateless inference codec (AQ-SGD falls
-        back as `Compression.inference` says); training state is not touched."""
+        back as `Compression.inference` says); training state and the module's mode are kept."""
+        check_batch(batch, self.plan, training=False)
+        was_training = self.stage.training
         self.stage.eval()
-        micro, num_items, num_tokens = self._split_batch(batch, training=False)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for ids, mask, labels, _ in micro:
-            shape = (ids.shape[0], ids.shape[1], self.hidden_size)
-            x = ids
-            if not self.is_first:
-                nbytes = self.inference_decoder.payload_nbytes(shape, self.boundary_dtype)
-                payload = self.transport.recv(nbytes, self.mesh.prev_rank, self.device, "eval activations")
-                x = self.inference_decoder.decode(payload, shape, self.boundary_dtype)
-            with self._autocast():
-                out = self.stage(x, mask)
-            if self.is_last:
-                total += self._loss(out, labels, num_items).float()
-            else:
-                self.transport.send(self.inference_encoder.encode(out.to(self.boundary_dtype)), self.mesh.next_rank)
-        self.transport.flush()
-        self.stage.train()
+        try:
+            micro = split_batch(batch, self.plan.micro_batches, self.device)
+            num_tokens = count_label_tokens(batch["labels"])
+            normaliser = self._loss_normaliser(num_tokens, None)
+            counter = self.traffic["evaluation"]
+            if self.tie is not None:
+                self.tie.share_rows(batch["input_ids"], counter)
+            total = torch.zeros((), dtype=torch.float32, device=self.device)
+            for mb in micro:
+                shape = (*mb.input_ids.shape, self.hidden_size)
+                x = mb.input_ids
+                if not self.is_first:
+                    nbytes = self.forward_in.inference_payload_nbytes(shape, self.boundary_dtype)
+                    payload = self.transport.recv(nbytes, self.mesh.prev_rank, self.device, "eval activations")
+                    x = self.forward_in.inference_receive(payload, shape, self.boundary_dtype)
+                with self._autocast():
+                    out = self.stage(x, mb.attention_mask)
+                if self.is_last:
+                    total += self._loss(out, mb.labels, normaliser).float()
+                else:
+                    payload = self.forward_out.inference_send(out.to(self.boundary_dtype))
+                    counter.add(payload.numel(), out.numel() * torch.finfo(self.boundary_dtype).bits // 8)
+                    self.transport.send(payload, self.mesh.next_rank)
+            self.transport.flush()
+        finally:
+            self.stage.train(was_training)
         return StepOutput(loss=self._broadcast_loss(self._mean_over_replicas(total)), num_tokens=num_tokens)
 
-    def _split_batch(self, batch: dict[str, torch.Tensor], training: bool):
-        """Validate the batch (identically on every rank, before any message) and cut it into
-        micro-batches of (input_ids, attention_mask, labels, sample_id)."""
-        unknown = set(batch) - {"input_ids", "attention_mask", "labels", "sample_id"}
-        if "input_ids" not in batch or unknown:
-            raise ValueError(
-                f"A pipeline batch has input_ids (required), attention_mask, labels and sample_id; got keys "
-                f"{sorted(batch)}."
-            )
-        ids = batch["input_ids"]
-        rows, num_micro = ids.shape[0], self.plan.micro_batches
-        if rows < num_micro:
-            raise ValueError(
-                f"A batch of {rows} rows cannot be split into plan.micro_batches={num_micro}; "
-                f"use a batch size >= {num_micro}."
-            )
-        labels = batch.get("labels")
-        if labels is None:
-            raise ValueError("The batch needs 'labels' to compute the loss on the last stage.")
-        sample_id = batch.get("sample_id")
-        if training and self.plan.forward.method == "aqsgd":
-            if sample_id is None:
-                raise ValueError(
-                    "AQ-SGD needs a 'sample_id' entry in every training batch. "
-                    "Add it with hf_actcomp.add_sample_ids(dataset)."
-                )
-            check_sample_ids(sample_id, self.plan.memory.num_samples, rows)
-        num_tokens = int((labels[..., 1:] != -100).sum())
-        num_items = torch.tensor(num_tokens, device=self.device) if num_micro > 1 else None
-        if self.dp_group is not None and self.is_last:
-            # Replicas hold different shards (and token counts): normalise by the tokens of the
-            # whole global batch, times D because the replicas' gradients are then averaged.
+    def _receives(self, kind: str) -> bool:
+        """Whether an action of this kind starts by receiving (so a send can be paired with it)."""
+        return not self.is_first if kind == "F" else not self.is_last
+
+    def _loss_normaliser(self, num_tokens: int, num_items_in_batch) -> torch.Tensor | None:
+        """What this replica divides its token-loss sum by (on the last stage; None = the mean).
+
+        Replicas hold different shards (and token counts) and their gradients are then averaged:
+        each divides by the global token count over D, so the average is the global batch's loss.
+        """
+        if not self.is_last:
+            return None
+        if num_items_in_batch is not None:
+            return torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=self.device) / self.num_replicas
+        if self.dp_group is not None:
             total = torch.tensor(float(num_tokens), device=self.device)
-            dist.all_reduce(total, group=self.dp_group)
-            num_items = total / self.num_replicas
+            self._all_reduce(total, self.dp_group, self.num_replicas)
+            return total / self.num_replicas
+        if self.plan.micro_batches > 1:
+            return torch.tensor(num_tokens, device=self.device)
+        return None
 
-        def split(t: torch.Tensor | None) -> list:
-            return [None] * num_micro if t is None else list(torch.tensor_split(t.to(self.device), num_micro))
-
-        micro = list(zip(split(ids), split(batch.get("attention_mask")), split(labels),
-                         split(sample_id), strict=True))
-        return micro, num_items, num_tokens
-
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items) -> torch.Tensor:
-        return self.loss_function(logits, labels, vocab_size=self.config.vocab_size, num_items_in_batch=num_items)
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, normaliser) -> torch.Tensor:
+        return self.loss_function(logits, labels, vocab_size=self.config.vocab_size, num_items_in_batch=normaliser)
 
     def _autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _forward(self, i: int, micro, num_items) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, mask, labels, sample_id = micro
-        x = ids
+    def _forward(self, i: int, mb: MicroBatch, normaliser, pair: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        x = mb.input_ids
         if not self.is_first:
-            shape = (ids.shape[0], ids.shape[1], self.hidden_size)
-            nbytes = self.forward_receiver.payload_nbytes(shape, self.boundary_dtype, sample_id)
+            shape = (*mb.input_ids.shape, self.hidden_size)
+            nbytes = self.forward_in.payload_nbytes(shape, self.boundary_dtype, mb.sample_id)
             payload = self.transport.recv(nbytes, self.mesh.prev_rank, self.device, f"activations of micro-batch {i}")
-            x = self.forward_receiver.decode(payload, shape, self.boundary_dtype, sample_ids=sample_id, slot=i)
+            x = self.forward_in.receive(payload, shape, self.boundary_dtype, sample_ids=mb.sample_id, slot=i)
             x = x.detach().requires_grad_(True)
         with self._autocast():
-            out = self.stage(x, mask)
+            out = self.stage(x, mb.attention_mask)
             if self.is_last:
-                return x, self._loss(out, labels, num_items)
-        h = out.detach().to(self.boundary_dtype)
-        stats = self.channels[f"boundary{self.stage_index}.forward"]
-        with stats.timing("encode"):
-            payload = self.forward_sender.encode(h, sample_ids=sample_id, slot=i)
-        stats.record(h, payload.numel(), self.forward_sender.last_reconstruction)
-        self.transport.send(payload, self.mesh.next_rank)
+                return x, self._loss(out, mb.labels, normaliser)
+        payload = self.forward_out.send(out.detach().to(self.boundary_dtype), sample_ids=mb.sample_id, slot=i)
+        self.transport.send(payload, self.mesh.next_rank, with_next_recv=pair)
         return x, out
 
-    def _backward(self, i: int, x: torch.Tensor, out: torch.Tensor) -> None:
+    def _backward(self, i: int, x: torch.Tensor, out: torch.Tensor, pair: bool) -> None:
         if self.is_last:
             out.backward()  # `out` is this micro-batch's loss
         else:
-            nbytes = self.backward_receiver.payload_nbytes(out.shape, self.boundary_dtype)
+            nbytes = self.backward_in.payload_nbytes(out.shape, self.boundary_dtype)
             payload = self.transport.recv(nbytes, self.mesh.next_rank, self.device, f"gradients of micro-batch {i}")
-            grad = self.backward_receiver.decode(payload, out.shape, self.boundary_dtype, slot=i)
+            grad = self.backward_in.receive(payload, out.shape, self.boundary_dtype, slot=i)
             out.backward(grad.to(out.dtype))
         if self.is_first:
             return
-        g = x.grad.contiguous()
-        stats = self.channels[f"boundary{self.stage_index - 1}.backward"]
-        with stats.timing("encode"):
-            payload = self.backward_sender.encode(g, slot=i)
-        stats.record(g, payload.numel(), self.backward_sender.last_reconstruction)
-        self.transport.send(payload, self.mesh.prev_rank)
+        payload = self.backward_out.send(x.grad.contiguous(), slot=i)
+        self.transport.send(payload, self.mesh.prev_rank, with_next_recv=pair)
+
+    def _all_reduce(self, t: torch.Tensor, group, size: int) -> None:
+        """A small collective of the step (token counts, losses), timed and counted."""
+        start = time.perf_counter()
+        dist.all_reduce(t, group=group)
+        self.traffic["collectives"].add(ring_allreduce_bytes(t.numel() * t.element_size(), size))
+        self.transport.seconds_waiting += time.perf_counter() - start
 
     def _broadcast_loss(self, total: torch.Tensor) -> torch.Tensor:
         if self.mesh.num_stages > 1:
             start = time.perf_counter()
             dist.broadcast(total, src=self.mesh.ranks[-1], group=self.group)
+            if self.is_last:
+                self.traffic["collectives"].add(total.numel() * total.element_size() * (self.mesh.num_stages - 1))
             self.transport.seconds_waiting += time.perf_counter() - start
         return total
 
     def _mean_over_replicas(self, total: torch.Tensor) -> torch.Tensor:
         """The global batch's loss from each replica's share (last stages only)."""
         if self.dp_group is not None and self.is_last:
-            dist.all_reduce(total, group=self.dp_group)
+            self._all_reduce(total, self.dp_group, self.num_replicas)
             total /= self.num_replicas
         return total
 
-    def _average_over_replicas(self) -> None:
-        """Average this stage's gradients over its copies in the other replicas, through the
-        plan's data-parallel hook (one flat buffer per step, parameters in name order)."""
-        if self.dp_compressor is None:
-            return
-        start = time.perf_counter()
-        params = [p for _, p in sorted(self.stage.named_parameters())]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        averaged = self.dp_compressor.reduce(flat, params)
-        self.dp_compressor.end_step()
-        for p, g in zip(params, averaged.split([p.numel() for p in params]), strict=True):
-            p.grad.copy_(g.view_as(p))
-        self.transport.seconds_waiting += time.perf_counter() - start
-
-    def _sync_tied_gradients(self) -> None:
-        """First and last stage hold copies of tied embeddings: give both the summed gradient, as
-        the unsplit model's single tensor would get, so identical optimizer steps keep them equal."""
-        if self.tie_group is None or not self.tied:
-            return
-        for p in self.tied:
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(grad, group=self.tie_group)
-            p.grad = grad
-
     # ------------------------------------------------------------------------- optimisation helpers
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the global gradient norm over all stages (tied copies counted once), like
-        `torch.nn.utils.clip_grad_norm_` on the unsplit model. Returns the total norm."""
-        if norm_type != 2.0:
-            raise ValueError(f"norm_type={norm_type!r} is not supported; only 2.0.")
-        skip = {id(p) for p in self.tied} if self.is_last and not self.is_first else set()
-        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
-        counted = [p.grad for p in self.stage.parameters() if p.grad is not None and id(p) not in skip]
-        local = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in counted:
-            local += g.detach().float().pow(2).sum()
-        if self.mesh.num_stages > 1:
-            dist.all_reduce(local, group=self.group)
-        total = local.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total
+        """Clip by the global gradient norm over all stages (tied weights counted once), like
+        `torch.nn.utils.clip_grad_norm_` on the unsplit model. Collective over the pipeline.
+        Returns the total norm before clipping."""
+        start = time.perf_counter()
+        norm = self.grads.clip_grad_norm_(max_norm, norm_type)
+        self.seconds_step += time.perf_counter() - start
+        return norm
+
+    def shard_dataset(self, dataset):
+        """This replica's shard of a `datasets.Dataset`: contiguous, and of the SAME length on every
+        replica (the last `len % data_parallel` rows are dropped), so that replicas run the same
+        number of steps and none waits forever at a collective."""
+        replicas = self.num_replicas
+        if replicas == 1:
+            return dataset
+        usable = len(dataset) - len(dataset) % replicas
+        if usable == 0:
+            raise ValueError(f"A dataset of {len(dataset)} rows cannot give {replicas} replicas a row each.")
+        if usable < len(dataset):
+            logger.warning("Dropping the last %d of %d rows so that %d replicas get equal shards.",
+                           len(dataset) - usable, len(dataset), replicas)
+        return dataset.select(range(usable)).shard(replicas, self.replica, contiguous=True)
 
     # ------------------------------------------------------------------------- telemetry
     def stats(self, gather: bool = False) -> dict:
-        """Bytes sent and uncompressed per boundary direction that THIS rank sends, the ratio,
-        relative errors, and this stage's seconds computing vs waiting on communication.
+        """What THIS rank sent between ranks, by category (`categories`: activations, activation
+        gradients, tied-embedding rows, loss/token-count collectives, data-parallel hook), per
+        boundary direction (`channels`), the ratio over all of it, relative errors, and this
+        stage's seconds computing vs waiting on communication.
 
-        With `gather=True` (collective: call on every rank) the channels of all ranks are merged.
+        With `gather=True` (collective: call on every rank of the pipeline) the counters of all
+        its ranks are merged.
         """
-        summary = summarize(self.channels)
+        local = self._local_counters()
+        if gather and self.mesh.num_stages > 1:
+            parts: list = [None] * self.mesh.num_stages
+            dist.all_gather_object(parts, local, group=self.group)
+        else:
+            parts = [local]
+        channels = {name: c for part in parts for name, c in part["channels"].items()}
+        traffic = {}
+        for part in parts:
+            for name, counter in part["traffic"].items():
+                entry = traffic.setdefault(name, {"bytes_sent": 0, "bytes_uncompressed": 0})
+                entry["bytes_sent"] += counter["bytes_sent"]
+                entry["bytes_uncompressed"] += counter["bytes_uncompressed"]
+        summary = summarize(channels, traffic)
+        summary["stages"] = {part["stage"]: part["timing"] for part in parts}
+        if self.dp_compressor is not None:
+            summary["data_parallel"] = self.dp_compressor.stats()
+        return summary
+
+    def _local_counters(self) -> dict:
+        traffic = {name: c.as_dict() for name, c in self.traffic.items()}
+        if self.dp_compressor is not None:
+            traffic["data_parallel"] = self.dp_compressor.stats()
+        waiting = self.transport.seconds_waiting + self.grads.seconds
         timing = {
             "steps": self.steps,
             "seconds_step": self.seconds_step,
-            "seconds_waiting": self.transport.seconds_waiting,
-            "seconds_computing": max(self.seconds_step - self.transport.seconds_waiting, 0.0),
+            "seconds_waiting": waiting,
+            "seconds_computing": max(self.seconds_step - waiting, 0.0),
         }
-        summary["stages"] = {self.stage_index: timing}
-        if self.dp_compressor is not None:
-            summary["data_parallel"] = self.dp_compressor.stats()
-        if not gather or self.mesh.num_stages == 1:
-            return summary
-        parts: list = [None] * self.mesh.num_stages
-        dist.all_gather_object(parts, (self.channels, timing), group=self.group)
-        merged = summarize({name: c for channels, _ in parts for name, c in channels.items()})
-        merged["stages"] = {s: t for s, (_, t) in enumerate(parts)}
-        if self.dp_compressor is not None:
-            merged["data_parallel"] = self.dp_compressor.stats()
-        return merged
+        # Counted where sent: the sending ends of this rank's boundaries.
+        channels = {b.name: b.stats for b in (self.forward_out, self.backward_out) if b is not None}
+        return {"stage": self.stage_index, "channels": channels, "traffic": traffic, "timing": timing}
 
     def reset_stats(self) -> None:
-        self.channels = {name: ChannelStats() for name in self.channels}
+        for b in self.boundaries.values():
+            b.stats = type(b.stats)()
+        self.traffic = {name: TrafficCounter() for name in self.traffic}
+        if self.tie is not None:
+            self.tie.counter = self.traffic["tie"]
+        self.grads.collectives = self.traffic["collectives"]
+        self.grads.seconds = 0.0
         self.seconds_step = 0.0
         self.transport.seconds_waiting = 0.0
         self.steps = 0
 
     # ------------------------------------------------------------------------- state
-    def _ends(self) -> dict:
-        return {
-            "forward_receiver": self.forward_receiver,
-            "backward_sender": self.backward_sender,
-            "forward_sender": self.forward_sender,
-            "backward_receiver": self.backward_receiver,
-        }
-
     def compression_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's EF buffers, AQ-SGD memories, codec counters and data-parallel hook state."""
-        state = {f"{part}.{k}": v for part, end in self._ends().items() if end is not None
-                 for k, v in end.state_dict().items()}
-        if self.dp_compressor is not None:
-            state.update({f"data_parallel.{k}": v for k, v in self.dp_compressor.state_dict().items()})
-        return state
+        return checkpointing.compression_state_dict(self)
 
     def load_compression_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if self.dp_compressor is not None:
-            self.dp_compressor.load_state_dict(
-                {k[len("data_parallel."):]: v for k, v in state.items() if k.startswith("data_parallel.")})
-        for part, end in self._ends().items():
-            if end is not None:
-                prefix = f"{part}."
-                end.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-
-    def _state_metadata(self) -> dict:
-        r = self.ranges[self.stage_index]
-        return {"plan": self.plan.to_dict(), "world_size": self.plan.world_size, "stage": self.stage_index,
-                "blocks": [r.start, r.stop]}
+        checkpointing.load_compression_state_dict(self, state)
 
     def save_compression_state(self, directory: str | os.PathLike,
                                max_shard_size: int | str = checkpoint.DEFAULT_MAX_SHARD_SIZE) -> None:
         """Write this rank's compression state to `directory` (safetensors, sharded when large).
         Call on every rank."""
-        checkpoint.save_state(directory, self.mesh.rank, self.compression_state_dict(), self._state_metadata(),
-                              max_shard_size=max_shard_size)
+        checkpointing.save_compression_state(self, directory, max_shard_size)
 
     def load_compression_state(self, directory: str | os.PathLike) -> None:
         """Read this rank's state saved by `save_compression_state` under the same plan."""
-        self.load_compression_state_dict(checkpoint.load_state(directory, self.mesh.rank, self._state_metadata()))
+        checkpointing.load_compression_state(self, directory)
 
     def register_for_checkpointing(self, accelerator) -> None:
         """Make `accelerator.save_state(dir)` / `load_state(dir)` also save / load every rank's
-        compression state under `dir/actcomp_state` (Accelerate alone saves custom state on the
-        main process only)."""
-
-        def save_hook(models, weights, output_dir):
-            self.save_compression_state(os.path.join(output_dir, COMPRESSION_STATE_DIR))
-
-        def load_hook(models, input_dir):
-            self.load_compression_state(os.path.join(input_dir, COMPRESSION_STATE_DIR))
-
-        accelerator.register_save_state_pre_hook(save_hook)
-        accelerator.register_load_state_pre_hook(load_hook)
+        compression state under `dir/actcomp_state`."""
+        checkpointing.register_for_checkpointing(self, accelerator)
 
     def save_pretrained(self, save_directory: str | os.PathLike, model: nn.Module | None = None,
                         **kwargs) -> None:
@@ -446,20 +449,7 @@ class Pipeline(nn.Module):
 
         `model` is the model passed to `prepare` (its config and class are used on rank 0).
         """
-        own = {name: p.detach().cpu() for name, p in self.stage.named_parameters()}
-        parts: list = [None] * self.mesh.num_stages
-        dist.all_gather_object(parts, own, group=self.group)
-        if self.mesh.rank == 0:  # stage 0 of replica 0: the replicas hold the same weights
-            if model is None:
-                raise ValueError("save_pretrained needs the model passed to prepare(), for its class and config.")
-            full = {}
-            for part in parts:
-                full.update(part)
-            _restore_parameters(model, full)
-            model.save_pretrained(save_directory, **kwargs)
-            self.plan.save_pretrained(save_directory)
-            _free_other_parameters(model, self.stage)
-        dist.barrier(group=self.group)
+        checkpointing.save_pretrained(self, save_directory, model, **kwargs)
 
 
 def prepare(model: nn.Module, plan: Plan, *, device: torch.device | str | None = None,
@@ -484,20 +474,13 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _free_other_parameters(model: nn.Module, stage: nn.Module) -> None:
-    """Release the storage of every parameter this rank's stage does not use (the module tree
-    stays intact so `save_pretrained` can fill it again)."""
-    keep = {id(p) for p in stage.parameters()}
-    for p in model.parameters():
-        if id(p) not in keep:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-
-
-def _restore_parameters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    for name, p in model.named_parameters():
-        if p.numel() == 0 and name in tensors:  # freed here, held by another stage
-            p.data = tensors[name].to(p.dtype)
-    missing = [n for n, p in model.named_parameters() if p.numel() == 0]
-    if missing:
-        raise RuntimeError(f"Parameters missing from every stage: {missing[:5]}")
-
+def _check_tied_embeddings(model: nn.Module, pairs: list[tuple[str, str]]) -> None:
+    """The tie exchange sends embedding rows: the first name of each tied pair must be a token
+    embedding (`nn.Embedding`). Checked on the full model, identically on every rank."""
+    for later, first in pairs:
+        module = model.get_submodule(first.rsplit(".", 1)[0]) if "." in first else model
+        if not isinstance(module, nn.Embedding):
+            raise ValueError(
+                f"{later!r} is tied to {first!r}, which is not an nn.Embedding: only a head tied to the input "
+                "token embedding is supported across pipeline stages. Untie it (tie_word_embeddings=False)."
+            )

@@ -58,7 +58,6 @@ class PipelineMesh:
 @dataclass
 class Groups:
     pipeline: dist.ProcessGroup
-    tie: dist.ProcessGroup | None
     data_parallel: dist.ProcessGroup | None
 
 
@@ -74,15 +73,13 @@ def build_mesh(plan: Plan, timeout: float) -> tuple[PipelineMesh, Groups]:
         )
     rank, stages, replicas = dist.get_rank(), plan.num_stages, plan.data_parallel
     delta = datetime.timedelta(seconds=timeout)
-    groups = Groups(pipeline=None, tie=None, data_parallel=None)
+    groups = Groups(pipeline=None, data_parallel=None)
     mine = rank // stages
     for replica in range(replicas):
         ranks = list(range(replica * stages, (replica + 1) * stages))
         group = dist.new_group(ranks, timeout=delta)
-        ends = sorted({ranks[0], ranks[-1]})
-        tie = dist.new_group(ends, timeout=delta) if len(ends) > 1 else None
         if replica == mine:
-            groups.pipeline, groups.tie = group, tie
+            groups.pipeline = group
     dp_ranks: tuple[int, ...] = ()
     if replicas > 1:
         for stage in range(stages):

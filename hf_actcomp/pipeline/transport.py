@@ -1,13 +1,20 @@
 """Point-to-point transport of payloads between pipeline stages, with a deadline on every wait.
 
-Sends are queued (`isend`) and waited for at the end of the step, so no stage blocks on a send.
-Receives block until the payload arrives, and fail after the process group's timeout with an
-error that names the peer: a dead or hung rank never makes the others wait forever. The time
-spent waiting is counted, so `stats()` can split a step into compute and communication.
+Each send is posted together with the receive that follows it in the schedule, in one
+`torch.distributed.batch_isend_irecv` (as torch's own 1F1B fuses "send forward" with "receive
+backward"): two neighbours whose messages cross then post matching pairs, which NCCL needs to
+avoid a deadlock on large messages, and gloo accepts as well. A send with no receive after it is
+posted at once. Sends are waited for at the end of the step.
+
+Receives block the host until the payload has arrived, and fail after `timeout` with an error
+that names the peer. On CUDA, `Work.wait()` only makes the current stream wait, so the host polls
+`Work.is_completed()` against the deadline instead: the time spent waiting is then real, and a
+hung peer raises `PeerTimeoutError` on GPU as on CPU.
 """
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
@@ -19,45 +26,86 @@ class PeerTimeoutError(RuntimeError):
 
 
 class Transport:
-    """Sends and receives flat uint8 payloads over `group` (global ranks), timing every wait."""
+    """Sends and receives flat uint8 payloads over `group` (global ranks), timing every wait.
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, timeout: float) -> None:
+    Args:
+        group: the pipeline's process group.
+        rank: this process's global rank (for error messages).
+        timeout: seconds any wait may take.
+        poll: wait by polling `Work.is_completed()` (default: when `device` is CUDA).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, timeout: float,
+                 device: torch.device | None = None, poll: bool | None = None) -> None:
         self.group = group
         self.rank = rank
         self.timeout = timeout
-        self.pending: list[tuple[dist.Work, torch.Tensor, int]] = []
+        self.poll = poll if poll is not None else (device is not None and device.type == "cuda")
+        self.outbox: list[tuple[torch.Tensor, int]] = []  # sends waiting for the next receive
+        self.pending: list[tuple[dist.Work, torch.Tensor, int]] = []  # posted sends
         self.seconds_waiting = 0.0
 
-    def send(self, payload: torch.Tensor, dst: int) -> None:
-        """Queue `payload` (contiguous) for `dst`; it must stay alive until `flush()`."""
-        payload = payload.contiguous()
-        work = dist.isend(payload, dst=dst, group=self.group)
-        self.pending.append((work, payload, dst))
+    def send(self, payload: torch.Tensor, dst: int, *, with_next_recv: bool = False) -> None:
+        """Queue `payload` for `dst`. With `with_next_recv`, it is posted together with this
+        process's next `recv` (the schedule's next action receives); otherwise at once."""
+        self.outbox.append((payload.contiguous(), dst))
+        if not with_next_recv:
+            self._post([])
 
     def recv(self, nbytes: int, src: int, device: torch.device, what: str) -> torch.Tensor:
-        """Block until `nbytes` arrive from `src`."""
+        """Post the queued sends and a receive of `nbytes` from `src`; block until it arrives."""
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         start = time.perf_counter()
         try:
-            dist.irecv(buffer, src=src, group=self.group).wait()
-        except RuntimeError as err:
+            works = self._post([dist.P2POp(dist.irecv, buffer, peer=src, group=self.group)])
+            self._wait(works[-1], start)
+        except (RuntimeError, TimeoutError) as err:
             raise self._error(f"receiving {what} ({nbytes} bytes)", src, err) from err
         finally:
             self.seconds_waiting += time.perf_counter() - start
         return buffer
 
     def flush(self) -> None:
-        """Wait until every queued send has been taken by its receiver."""
+        """Post what is queued and wait until every send has been taken by its receiver."""
         start = time.perf_counter()
         try:
+            self._post([])
             for work, _, dst in self.pending:
                 try:
-                    work.wait()
-                except RuntimeError as err:
+                    self._wait(work, start)
+                except (RuntimeError, TimeoutError) as err:
                     raise self._error("sending", dst, err) from err
         finally:
             self.pending.clear()
+            self.outbox.clear()
             self.seconds_waiting += time.perf_counter() - start
+
+    def _post(self, recvs: list[dist.P2POp]) -> list[dist.Work]:
+        """Post the outbox's sends and `recvs` in one batch; keep the sends' works for `flush`.
+        Returns the works of the batch (the receive's is last)."""
+        sends = [dist.P2POp(dist.isend, payload, peer=dst, group=self.group) for payload, dst in self.outbox]
+        ops = sends + recvs
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv(ops)
+        if len(works) == len(ops):  # one work per op (gloo); NCCL may coalesce into one
+            self.pending.extend((w, p, d) for w, (p, d) in zip(works[:len(sends)], self.outbox, strict=True))
+        else:
+            self.pending.extend((w, p, d) for w in works for p, d in self.outbox[:1])
+        self.outbox.clear()
+        return works
+
+    def _wait(self, work: dist.Work, start: float) -> None:
+        """Block until `work` completes, at most until `start + timeout`."""
+        remaining = max(self.timeout - (time.perf_counter() - start), 0.001)
+        if not self.poll:
+            work.wait(timeout=datetime.timedelta(seconds=remaining))
+            return
+        while not work.is_completed():
+            if time.perf_counter() - start > self.timeout:
+                raise TimeoutError(f"no completion after {self.timeout:g}s")
+            time.sleep(0.0002)
+        work.wait()
 
     def _error(self, doing: str, peer: int, err: Exception) -> PeerTimeoutError:
         return PeerTimeoutError(

@@ -4,6 +4,7 @@ Each scenario writes what the parent test compares (grads, losses, checksums) to
 safetensors / JSON, one file per rank.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -21,6 +22,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pipeline_cases import COMPRESSED_PLANS, padded_batch, training_batches  # noqa: E402
 
 
+def stage_grads(pipe) -> dict:
+    """This stage's gradients by parameter name; a parameter without one (the first stage's copy
+    of a tied embedding, owned by the last stage) is recorded as `nograd.<name>`."""
+    return {(f"grad.{n}" if p.grad is not None else f"nograd.{n}"): (p.grad if p.grad is not None else torch.zeros(1))
+            for n, p in pipe.stage.named_parameters()}
+
+
 def exact(out_dir: str, num_stages: int) -> None:
     """Identity codec: one train_step per family and schedule; save each stage's grads + loss."""
     rank = dist.get_rank()
@@ -32,20 +40,46 @@ def exact(out_dir: str, num_stages: int) -> None:
             kept = {id(p) for p in pipe.stage.parameters()}
             assert all(p.numel() == 0 for p in model.parameters() if id(p) not in kept), "other stages not freed"
             out = pipe.train_step(padded_batch(model.config.vocab_size))
-            tensors = {f"grad.{n}": p.grad for n, p in pipe.stage.named_parameters()}
+            tensors = stage_grads(pipe)
             tensors["loss"] = out.loss.reshape(1)
             save_file({k: v.contiguous() for k, v in tensors.items()},
                       os.path.join(out_dir, f"{family}-{schedule}-rank{rank}.safetensors"))
 
 
+def accumulate(out_dir: str, family: str) -> None:
+    """k = 1, 2, 3 train_steps on different batches without zero_grad (the last one syncing),
+    then 3 AdamW steps; save grads after accumulation and the parameters after the steps."""
+    rank = dist.get_rank()
+    for k in (1, 2, 3):
+        model = debug_model(family, seed=0)
+        plan = Plan(num_stages=dist.get_world_size(), micro_batches=dist.get_world_size(), schedule="1f1b")
+        pipe = hf_actcomp.prepare(model, plan, timeout=60)
+        for step in range(k):
+            with pipe.no_sync() if step < k - 1 else contextlib.nullcontext():
+                pipe.train_step(padded_batch(model.config.vocab_size, seed=step))
+        tensors = stage_grads(pipe)
+        tensors["tie_bytes"] = torch.tensor([pipe.stats()["categories"]["tie"]["bytes_sent"]])
+        save_file({kk: v.contiguous() for kk, v in tensors.items()},
+                  os.path.join(out_dir, f"{family}-k{k}-rank{rank}.safetensors"))
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    for step in range(3):
+        optimizer.zero_grad()
+        pipe.train_step(padded_batch(model.config.vocab_size, seed=10 + step))
+        pipe.clip_grad_norm_(0.5)
+        optimizer.step()
+    pipe.eval_step(padded_batch(model.config.vocab_size, seed=0))  # refreshes the first stage's rows
+    tensors = {f"param.{n}": p.detach() for n, p in pipe.stage.named_parameters()}
+    save_file({kk: v.contiguous() for kk, v in tensors.items()}, os.path.join(out_dir, f"{family}-adamw-rank{rank}.safetensors"))
+
+
 def memory_checksums(pipe) -> dict:
     """Checksums of the AQ-SGD memory this rank holds: the sender's mirror and the receiver's."""
     sums = {}
-    if pipe.forward_sender is not None and hasattr(pipe.forward_sender.mirror, "memory"):
-        mem = pipe.forward_sender.mirror.memory
+    if pipe.forward_out is not None and hasattr(pipe.forward_out.sender.mirror, "memory"):
+        mem = pipe.forward_out.sender.mirror.memory
         sums[f"boundary{pipe.stage_index}.sender"] = float(mem.values.double().sum()) if mem.values is not None else 0.0
-    if pipe.forward_receiver is not None and hasattr(pipe.forward_receiver, "memory"):
-        mem = pipe.forward_receiver.memory
+    if pipe.forward_in is not None and hasattr(pipe.forward_in.receiver, "memory"):
+        mem = pipe.forward_in.receiver.memory
         sums[f"boundary{pipe.stage_index - 1}.receiver"] = float(mem.values.double().sum()) if mem.values is not None else 0.0
     return sums
 
@@ -140,7 +174,7 @@ def autocast(out_dir: str) -> None:
     model = debug_model("gpt2", seed=0)
     pipe = hf_actcomp.prepare(model, Plan(num_stages=2, micro_batches=2), autocast_dtype=torch.bfloat16)
     out = pipe.train_step(padded_batch(model.config.vocab_size))
-    grads = {n: p.grad for n, p in pipe.stage.named_parameters()}
+    grads = {n: p.grad for n, p in pipe.stage.named_parameters() if not (pipe.tie and p is pipe.tie.param and pipe.is_first)}
     assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"loss": out.loss.item()}, f)
@@ -188,7 +222,7 @@ def two_d(out_dir: str, hook: str) -> None:
     rows = slice(4 * pipe.replica, 4 * pipe.replica + 4)
     shard = {k: v[rows] for k, v in full.items()}
     out = pipe.train_step(shard)
-    tensors = {f"grad.{n}": p.grad for n, p in pipe.stage.named_parameters()}
+    tensors = stage_grads(pipe)
     tensors["loss"] = out.loss.reshape(1)
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out_dir, f"rank{dist.get_rank()}.safetensors"))
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
@@ -197,9 +231,73 @@ def two_d(out_dir: str, hook: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(pipe.train_step(shard).loss.item())
+    optimizer.step()
+    pipe.eval_step(shard)  # the first stage reads the current rows of the tied embedding
+    params = {f"param.{n}": p.detach() for n, p in pipe.stage.named_parameters()}
+    params["rows"] = torch.unique(shard["input_ids"])
+    save_file({k: v.contiguous() for k, v in params.items()}, os.path.join(out_dir, f"params-rank{dist.get_rank()}.safetensors"))
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"losses": losses, "replica": pipe.replica, "stage": pipe.stage_index,
                    "dp": pipe.stats()["data_parallel"]}, f)
+
+
+def gradient_rules(out_dir: str) -> None:
+    """S=2 x D=2 with frozen parameters (the tied embedding and block 0, as PEFT leaves a base
+    model): what gets a gradient, what is communicated; eval_step keeps the mode; fp16 refused;
+    equal shards for the replicas."""
+    import datasets
+
+    rank = dist.get_rank()
+    result = {}
+    try:
+        hf_actcomp.prepare(debug_model("gpt2"), Plan(num_stages=2, data_parallel=2, micro_batches=2),
+                           autocast_dtype=torch.float16)
+    except ValueError as err:
+        result["fp16_error"] = str(err)
+    model = debug_model("gpt2", seed=0)
+    for name, p in model.named_parameters():
+        if name.startswith(("transformer.wte", "transformer.h.0.")):
+            p.requires_grad_(False)
+    pipe = hf_actcomp.prepare(model, Plan(num_stages=2, data_parallel=2, micro_batches=2), timeout=60)
+    batch = padded_batch(model.config.vocab_size, seed=pipe.replica)
+    for _ in range(2):
+        pipe.train_step(batch)
+        result["norm"] = pipe.clip_grad_norm_(1.0).item()
+    result["no_grad"] = sorted(n for n, p in pipe.stage.named_parameters() if p.grad is None)
+    result["frozen"] = sorted(n for n, p in pipe.stage.named_parameters() if not p.requires_grad)
+    result["trainable_numel"] = sum(p.numel() for p in pipe.stage.parameters() if p.requires_grad)
+    stats = pipe.stats()
+    result["categories"] = stats["categories"]
+    modes = []
+    for training in (True, False):
+        pipe.stage.train(training)
+        pipe.eval_step(batch)
+        modes.append(pipe.stage.training)
+    result["modes_after_eval"] = modes
+    shard = pipe.shard_dataset(datasets.Dataset.from_dict({"x": list(range(9))}))
+    result["shard"] = list(shard["x"])
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def hung_peer(out_dir: str) -> None:
+    """Rank 1 stays alive but never sends: rank 0's receive fails after its timeout, also when
+    waiting by polling the work (the way the transport waits on CUDA)."""
+    from hf_actcomp.pipeline.transport import Transport
+
+    if dist.get_rank() == 0:
+        for poll in (True, False):  # a gloo timeout closes the pair: poll first
+            transport = Transport(None, 0, timeout=2.0, poll=poll)
+            start = time.perf_counter()
+            try:
+                transport.recv(16, 1, torch.device("cpu"), "a message that never comes")
+            except hf_actcomp.PeerTimeoutError as err:
+                with open(os.path.join(out_dir, f"poll{int(poll)}.json"), "w") as f:
+                    json.dump({"error": str(err), "seconds": time.perf_counter() - start,
+                               "waiting": transport.seconds_waiting}, f)
+        os._exit(0)  # the posted receive is abandoned with the process
+    time.sleep(12)
+    os._exit(0)
 
 
 def main() -> None:
@@ -207,6 +305,9 @@ def main() -> None:
     if scenario != "accelerate_state":  # there the Accelerator initialises torch.distributed
         dist.init_process_group("gloo")
     {"exact": lambda: exact(out_dir, int(rest[0])),
+     "gradient_rules": lambda: gradient_rules(out_dir),
+     "hung_peer": lambda: hung_peer(out_dir),
+     "accumulate": lambda: accumulate(out_dir, rest[0]),
      "compressed": lambda: compressed(out_dir, rest[0], int(rest[1]), rest[2]),
      "resume": lambda: resume(out_dir, rest[0]),
      "dead_peer": lambda: dead_peer(out_dir),

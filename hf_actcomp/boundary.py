@@ -1,0 +1,105 @@
+"""One direction of one stage boundary: its sender end, its receiver end, its counters and state.
+
+The same object serves the in-process simulation (both ends in one process, `transfer`) and the
+distributed pipeline (one end per rank: `send` on the producing stage, `receive` on the consuming
+one). State-dict keys are `sender.*` and `receiver.*`; `prefixed` / `unprefixed` are the one place
+that adds and strips a boundary's name in front of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .feedback import build_inference_codec, build_receiver, build_sender
+from .plan import Compression, MemoryConfig
+from .telemetry import ChannelStats
+
+
+class Boundary:
+    """Boundary direction `name` (e.g. `boundary0.forward`) with the ends this process holds.
+
+    Args:
+        name: `boundary{b}.forward` or `boundary{b}.backward` (boundary b joins stage b and b+1).
+        compression: the plan's codec for this direction.
+        memory: AQ-SGD memory settings (forward direction only).
+        sender / receiver: which ends live in this process.
+        track_error: let a stateless sender decode its own payload to report relative errors.
+    """
+
+    def __init__(self, name: str, compression: Compression, memory: MemoryConfig | None = None, *,
+                 sender: bool = True, receiver: bool = True, track_error: bool = True) -> None:
+        self.name = name
+        self.sender = build_sender(compression, memory, name, track_error=track_error) if sender else None
+        self.receiver = build_receiver(compression, memory, name) if receiver else None
+        # Stateless codec for evaluation: AQ-SGD memory and feedback state belong to training.
+        self.inference = build_inference_codec(compression)
+        self.stats = ChannelStats()
+
+    # ------------------------------------------------------------------ training
+    def send(self, x: torch.Tensor, *, sample_ids: torch.Tensor | None = None, slot: int = 0) -> torch.Tensor:
+        """Encode `x` (sender end); counts the payload and, when known, the reconstruction error."""
+        with self.stats.timing("encode"):
+            payload = self.sender.encode(x, sample_ids=sample_ids, slot=slot)
+        self.stats.record(x, payload.numel(), self.sender.last_reconstruction)
+        return payload
+
+    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype,
+                       sample_ids: torch.Tensor | None = None) -> int:
+        """Size of the next payload, known to the receiver before it arrives."""
+        return self.receiver.payload_nbytes(shape, dtype, sample_ids)
+
+    def receive(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, *,
+                sample_ids: torch.Tensor | None = None, slot: int = 0) -> torch.Tensor:
+        """Decode a payload (receiver end), updating the receiver's state."""
+        with self.stats.timing("decode"):
+            return self.receiver.decode(payload, shape, dtype, sample_ids=sample_ids, slot=slot)
+
+    def transfer(self, x: torch.Tensor, *, sample_ids: torch.Tensor | None = None, slot: int = 0) -> torch.Tensor:
+        """Both ends in one process: what the receiver outputs for `x`."""
+        with self.stats.timing("encode"):
+            payload = self.sender.encode(x, sample_ids=sample_ids, slot=slot)
+        out = self.receive(payload, x.shape, x.dtype, sample_ids=sample_ids, slot=slot)
+        self.stats.record(x, payload.numel(), out)
+        return out
+
+    # ------------------------------------------------------------------ evaluation
+    def inference_payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        return self.inference.payload_nbytes(shape, dtype)
+
+    def inference_send(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inference.encode(x.detach())
+
+    def inference_receive(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return self.inference.decode(payload, shape, dtype)
+
+    def inference_transfer(self, x: torch.Tensor) -> torch.Tensor:
+        """Stateless compression for evaluation (no memory or feedback updates)."""
+        return self.inference_receive(self.inference_send(x), x.shape, x.dtype)
+
+    # ------------------------------------------------------------------ state
+    def ends(self) -> dict[str, object]:
+        return {name: end for name, end in (("sender", self.sender), ("receiver", self.receiver)) if end is not None}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Feedback buffers, AQ-SGD memory and codec counters of the ends held here."""
+        state: dict[str, torch.Tensor] = {}
+        for part, end in self.ends().items():
+            state.update(prefixed(end.state_dict(), part))
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for part, end in self.ends().items():
+            end.load_state_dict(unprefixed(state, part))
+
+
+def prefixed(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """`state` with `prefix.` in front of every key."""
+    return {f"{prefix}.{k}": v for k, v in state.items()}
+
+
+def unprefixed(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries of `state` under `prefix.`, with the prefix removed."""
+    head = f"{prefix}."
+    return {k[len(head):]: v for k, v in state.items() if k.startswith(head)}

@@ -1,0 +1,63 @@
+"""Checking a pipeline batch and cutting it into micro-batches, with the loss normaliser.
+
+Every rank of a pipeline reads the same batch, so every rank can validate it identically before
+any message is sent: a bad batch fails everywhere with the same error instead of hanging a peer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..memory import check_sample_ids
+from ..plan import Plan
+
+BATCH_KEYS = ("input_ids", "attention_mask", "labels", "sample_id")
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    labels: torch.Tensor
+    sample_id: torch.Tensor | None
+
+
+def count_label_tokens(labels: torch.Tensor) -> int:
+    """Tokens a causal LM loss averages over: labels shifted by one, -100 ignored."""
+    return int((labels[..., 1:] != -100).sum())
+
+
+def check_batch(batch: dict[str, torch.Tensor], plan: Plan, training: bool) -> None:
+    """Raise a ValueError that says what is wrong with `batch` for this plan."""
+    unknown = set(batch) - set(BATCH_KEYS)
+    if "input_ids" not in batch or unknown:
+        raise ValueError(
+            f"A pipeline batch has input_ids (required), attention_mask, labels and sample_id; got keys "
+            f"{sorted(batch)}."
+        )
+    rows, num_micro = batch["input_ids"].shape[0], plan.micro_batches
+    if rows < num_micro:
+        raise ValueError(
+            f"A batch of {rows} rows cannot be split into plan.micro_batches={num_micro}; "
+            f"use a batch size >= {num_micro}."
+        )
+    if batch.get("labels") is None:
+        raise ValueError("The batch needs 'labels' to compute the loss on the last stage.")
+    if training and plan.forward.method == "aqsgd":
+        if batch.get("sample_id") is None:
+            raise ValueError(
+                "AQ-SGD needs a 'sample_id' entry in every training batch. "
+                "Add it with hf_actcomp.add_sample_ids(dataset)."
+            )
+        check_sample_ids(batch["sample_id"], plan.memory.num_samples, rows)
+
+
+def split_batch(batch: dict[str, torch.Tensor], num_micro: int, device: torch.device) -> list[MicroBatch]:
+    """`batch` cut row-wise into `num_micro` micro-batches on `device` (as `torch.tensor_split`)."""
+
+    def split(t: torch.Tensor | None) -> list:
+        return [None] * num_micro if t is None else list(torch.tensor_split(t.to(device), num_micro))
+
+    return [MicroBatch(*parts) for parts in zip(*(split(batch.get(k)) for k in BATCH_KEYS), strict=True)]

@@ -1,0 +1,106 @@
+"""Saving and loading a pipeline: per-rank compression state, Accelerate hooks, the model weights."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import checkpoint
+from ..boundary import prefixed, unprefixed
+
+if TYPE_CHECKING:
+    from .engine import Pipeline
+
+COMPRESSION_STATE_DIR = "actcomp_state"
+
+
+def compression_state_dict(pipe: Pipeline) -> dict[str, torch.Tensor]:
+    """This rank's EF buffers, AQ-SGD memories, codec counters and data-parallel hook state."""
+    state: dict[str, torch.Tensor] = {}
+    for name, boundary in pipe.boundaries.items():
+        state.update(prefixed(boundary.state_dict(), name))
+    if pipe.dp_compressor is not None:
+        state.update(prefixed(pipe.dp_compressor.state_dict(), "data_parallel"))
+    return state
+
+
+def load_compression_state_dict(pipe: Pipeline, state: dict[str, torch.Tensor]) -> None:
+    if pipe.dp_compressor is not None:
+        pipe.dp_compressor.load_state_dict(unprefixed(state, "data_parallel"))
+    for name, boundary in pipe.boundaries.items():
+        boundary.load_state_dict(unprefixed(state, name))
+
+
+def state_metadata(pipe: Pipeline) -> dict:
+    r = pipe.ranges[pipe.stage_index]
+    return {"plan": pipe.plan.to_dict(), "world_size": pipe.plan.world_size, "stage": pipe.stage_index,
+            "blocks": [r.start, r.stop]}
+
+
+def save_compression_state(pipe: Pipeline, directory: str | os.PathLike,
+                           max_shard_size: int | str = checkpoint.DEFAULT_MAX_SHARD_SIZE) -> None:
+    checkpoint.save_state(directory, pipe.mesh.rank, compression_state_dict(pipe), state_metadata(pipe),
+                          max_shard_size=max_shard_size)
+
+
+def load_compression_state(pipe: Pipeline, directory: str | os.PathLike) -> None:
+    load_compression_state_dict(pipe, checkpoint.load_state(directory, pipe.mesh.rank, state_metadata(pipe)))
+
+
+def register_for_checkpointing(pipe: Pipeline, accelerator) -> None:
+    """`accelerator.save_state(dir)` / `load_state(dir)` also save / load every rank's
+    compression state under `dir/actcomp_state` (Accelerate saves custom state on the main
+    process only)."""
+
+    def save_hook(models, weights, output_dir):
+        save_compression_state(pipe, os.path.join(output_dir, COMPRESSION_STATE_DIR))
+
+    def load_hook(models, input_dir):
+        load_compression_state(pipe, os.path.join(input_dir, COMPRESSION_STATE_DIR))
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+
+
+def save_pretrained(pipe: Pipeline, save_directory: str | os.PathLike, model: nn.Module | None, **kwargs) -> None:
+    """Gather every stage's parameters on rank 0 and write one Transformers checkpoint."""
+    own = {name: p.detach().cpu() for name, p in pipe.stage.named_parameters()}
+    parts: list = [None] * pipe.mesh.num_stages
+    dist.all_gather_object(parts, own, group=pipe.group)
+    if pipe.mesh.rank == 0:  # stage 0 of replica 0: the replicas hold the same weights
+        if model is None:
+            raise ValueError("save_pretrained needs the model passed to prepare(), for its class and config.")
+        full = {}
+        for part in parts:
+            full.update(part)
+        restore_parameters(model, full)
+        with torch.no_grad():  # a tied weight: the last stage owns the current value
+            for later, first in pipe.tied_pairs:
+                if later in parts[-1]:
+                    model.get_parameter(first).copy_(parts[-1][later])
+        model.save_pretrained(save_directory, **kwargs)
+        pipe.plan.save_pretrained(save_directory)
+        free_other_parameters(model, pipe.stage)
+    dist.barrier(group=pipe.group)
+
+
+def free_other_parameters(model: nn.Module, stage: nn.Module) -> None:
+    """Release the storage of every parameter this rank's stage does not use (the module tree
+    stays intact so `save_pretrained` can fill it again)."""
+    keep = {id(p) for p in stage.parameters()}
+    for p in model.parameters():
+        if id(p) not in keep:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def restore_parameters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    for name, p in model.named_parameters():
+        if p.numel() == 0 and name in tensors:  # freed here, held by another stage
+            p.data = tensors[name].to(p.dtype)
+    missing = [n for n, p in model.named_parameters() if p.numel() == 0]
+    if missing:
+        raise RuntimeError(f"Parameters missing from every stage: {missing[:5]}")
