@@ -83,6 +83,23 @@ def test_accumulated_steps_and_adamw_match_unsplit_model_with_tied_embeddings(tm
         hidden = reference.config.hidden_size
         assert tie_bytes == 2 * rows * hidden * 4  # rows there, gradient rows back, fp32
 
+    # num_items_in_batch over two accumulated steps: the loss and gradients of the model given it.
+    reference = debug_model(family, seed=0)
+    batches = [padded_batch(reference.config.vocab_size, seed=step) for step in range(2)]
+    num_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+    losses = []
+    for b in batches:
+        loss = reference(**{kk: v for kk, v in b.items() if kk != "sample_id"}, num_items_in_batch=num_items).loss
+        loss.backward()
+        losses.append(loss.detach())
+    seen = set()
+    for rank in range(num_stages):
+        got = load_file(tmp_path / f"{family}-items-rank{rank}.safetensors")
+        torch.testing.assert_close(got["losses"], torch.stack(losses), atol=1e-6, rtol=1e-5)
+        check_stage_grads(got, dict(reference.named_parameters(remove_duplicate=False)), partners,
+                          f"{family}/num_items", seen)
+    assert seen == set(ref_grads)
+
     reference = debug_model(family, seed=0)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     for step in range(3):
@@ -228,6 +245,20 @@ def test_pipeline_x_data_parallel_matches_unsplit_model_on_the_full_batch(tmp_pa
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert (report["replica"], report["stage"]) == (rank // 2, rank % 2)
         assert report["losses"][-1] < report["losses"][0]
+
+    # Gradient accumulation across replicas: two steps under no_sync() + one sync, normalised by
+    # the tokens of both global batches == the unsplit model on both batches with that count.
+    reference = debug_model("gpt2", seed=0)
+    second = padded_batch(reference.config.vocab_size, batch=8, seed=1)
+    num_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in (full, second))
+    for b in (full, second):
+        reference(**{k: v for k, v in b.items() if k != "sample_id"}, num_items_in_batch=num_items).loss.backward()
+    ref = dict(reference.named_parameters(remove_duplicate=False))
+    seen = set()
+    for rank in range(4):
+        got = load_file(tmp_path / f"accumulated-rank{rank}.safetensors")
+        check_stage_grads(got, ref, tie_partners(reference), f"accumulated rank {rank}", seen)
+    assert seen == set(ref)
 
 
 def test_pipeline_x_data_parallel_with_a_compressed_hook(tmp_path):

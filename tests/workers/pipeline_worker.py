@@ -61,6 +61,17 @@ def accumulate(out_dir: str, family: str) -> None:
         tensors["tie_bytes"] = torch.tensor([pipe.stats()["categories"]["tie"]["bytes_sent"]])
         save_file({kk: v.contiguous() for kk, v in tensors.items()},
                   os.path.join(out_dir, f"{family}-k{k}-rank{rank}.safetensors"))
+    # Normalised by the tokens of the whole accumulated step, as Trainer's num_items_in_batch.
+    model = debug_model(family, seed=0)
+    pipe = hf_actcomp.prepare(model, Plan(num_stages=dist.get_world_size(), micro_batches=dist.get_world_size()),
+                              timeout=60)
+    batches = [padded_batch(model.config.vocab_size, seed=step) for step in range(2)]
+    num_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+    losses = [pipe.train_step(b, num_items_in_batch=num_items, sync=i == 1).loss for i, b in enumerate(batches)]
+    tensors = stage_grads(pipe)
+    tensors["losses"] = torch.stack(losses)
+    save_file({kk: v.contiguous() for kk, v in tensors.items()}, os.path.join(out_dir, f"{family}-items-rank{rank}.safetensors"))
+
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     for step in range(3):
         optimizer.zero_grad()
@@ -236,6 +247,18 @@ def two_d(out_dir: str, hook: str) -> None:
     params = {f"param.{n}": p.detach() for n, p in pipe.stage.named_parameters()}
     params["rows"] = torch.unique(shard["input_ids"])
     save_file({k: v.contiguous() for k, v in params.items()}, os.path.join(out_dir, f"params-rank{dist.get_rank()}.safetensors"))
+    if hook == "allreduce":  # two accumulated steps, averaged once, normalised by all their tokens
+        model = debug_model("gpt2", seed=0)
+        pipe = hf_actcomp.prepare(model, plan, timeout=60)
+        second = padded_batch(model.config.vocab_size, batch=8, seed=1)
+        num_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in (full, second))
+        with pipe.no_sync():
+            pipe.train_step(shard, num_items_in_batch=num_items)
+        assert pipe.dp_compressor.step == 0, "no_sync() must not average"
+        pipe.train_step({k: v[rows] for k, v in second.items()}, num_items_in_batch=num_items)
+        assert pipe.dp_compressor.step == 1
+        save_file({k: v.contiguous() for k, v in stage_grads(pipe).items()},
+                  os.path.join(out_dir, f"accumulated-rank{dist.get_rank()}.safetensors"))
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"losses": losses, "replica": pipe.replica, "stage": pipe.stage_index,
                    "dp": pipe.stats()["data_parallel"]}, f)
