@@ -211,9 +211,14 @@ def test_bf16_autocast(tmp_path):
     batch = padded_batch(reference.config.vocab_size)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = reference(**{k: v for k, v in batch.items() if k != "sample_id"}).loss.item()
+    elements = batch["input_ids"].numel() * reference.config.hidden_size
     for rank in range(2):
-        loss = json.loads((tmp_path / f"rank{rank}.json").read_text())["loss"]
-        assert loss == pytest.approx(expected, rel=2e-2)
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["loss"] == pytest.approx(expected, rel=2e-2)
+        assert report["matmul_dtypes"] == ["torch.bfloat16"]  # the stages compute in bf16
+        for channel in ("boundary0.forward", "boundary0.backward"):  # and send bf16: 2 bytes a value
+            assert report["channels"][channel]["bytes_sent"] == report["channels"][channel]["bytes_uncompressed"] \
+                == 2 * elements
 
 
 def test_accelerate_save_state_carries_every_ranks_compression_state(tmp_path):

@@ -103,7 +103,9 @@ class Pipeline(nn.Module):
         stage = adapter.build_stage(ranges[s].start, ranges[s].stop, first=s == 0, last=s == last)
         checkpointing.free_other_parameters(model, stage)
         self.stage = stage.to(self.device)
-        self.boundary_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        # What crosses a boundary: the autocast dtype when set (the stages compute in it, so
+        # sending fp32 would double the bytes for nothing), else the parameters' dtype.
+        self.boundary_dtype = autocast_dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.hidden_size = int(self.config.hidden_size)
         self.transport = Transport(self.group, self.mesh.rank, self.timeout, self.device)
         # Bytes outside the boundary channels; `evaluation` is everything `eval_step` sends.

@@ -184,11 +184,16 @@ def autocast(out_dir: str) -> None:
     """bf16 autocast on CPU: the step runs and its loss is saved for comparison."""
     model = debug_model("gpt2", seed=0)
     pipe = hf_actcomp.prepare(model, Plan(num_stages=2, micro_batches=2), autocast_dtype=torch.bfloat16)
+    dtypes = set()
+    for block in pipe.stage.modules():  # the blocks' matmuls: what autocast changes
+        if type(block).__name__ == "Conv1D":
+            block.register_forward_hook(lambda m, i, o: dtypes.add(str(o.dtype)))
     out = pipe.train_step(padded_batch(model.config.vocab_size))
     grads = {n: p.grad for n, p in pipe.stage.named_parameters() if not (pipe.tie and p is pipe.tie.param and pipe.is_first)}
     assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
+    stats = pipe.stats(gather=True)
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump({"loss": out.loss.item()}, f)
+        json.dump({"loss": out.loss.item(), "matmul_dtypes": sorted(dtypes), "channels": stats["channels"]}, f)
 
 
 def accelerate_state(out_dir: str) -> None:
