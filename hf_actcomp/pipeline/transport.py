@@ -88,10 +88,11 @@ class Transport:
         if not ops:
             return []
         works = dist.batch_isend_irecv(ops)
-        if len(works) == len(ops):  # one work per op (gloo); NCCL may coalesce into one
-            self.pending.extend((w, p, d) for w, (p, d) in zip(works[:len(sends)], self.outbox, strict=True))
-        else:
-            self.pending.extend((w, p, d) for w in works for p, d in self.outbox[:1])
+        if len(works) == len(ops):  # one work per op (gloo)
+            pairs = zip(works[:len(sends)], self.outbox, strict=True)
+        else:  # NCCL may coalesce the batch into one work: every send completes with it
+            pairs = ((works[-1], sent) for sent in self.outbox)
+        self.pending.extend((w, payload, dst) for w, (payload, dst) in pairs)
         self.outbox.clear()
         return works
 
