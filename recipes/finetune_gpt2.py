@@ -186,6 +186,15 @@ def main(argv=None) -> dict:
     if args.report_to:
         accelerator.init_trackers("hf_actcomp_finetune", config=vars(args))
     pipeline = accelerator.unwrap_model(runner) if not distributed else runner
+    # The untrained model's loss on the same evaluation data, through the same boundaries: the
+    # baseline that says whether training helped (random init gives about ln(vocab_size)).
+    # fork_rng: iterating a DataLoader draws a seed from the global RNG, which would shift dropout.
+    # Its traffic is not counted: the results report what training and the final evaluation send.
+    evaluate = evaluate_pipeline if distributed else evaluate_simulated
+    with torch.random.fork_rng(devices=[]):
+        initial_eval_loss = evaluate(runner, eval_loader)
+    if distributed:
+        runner.reset_stats()
 
     step = 0
     progress = tqdm(total=args.epochs * len(train_loader), disable=not accelerator.is_local_main_process)
@@ -216,6 +225,7 @@ def main(argv=None) -> dict:
         stats = pipeline.stats()
     result = {
         "eval_loss": eval_loss,
+        "initial_eval_loss": initial_eval_loss,
         "perplexity": math.exp(eval_loss),
         "steps": step,
         "processes": accelerator.num_processes,

@@ -35,11 +35,33 @@ def test_error_feedback_accounting_is_exact():
     assert sender.errors[1].abs().sum() > 0
 
 
+def topk_by_hand(y, ratio):
+    """D(C(y)) of TopK with fp16 values: the round(ratio * n) largest magnitudes, rounded to fp16."""
+    flat = y.reshape(-1)
+    keep = flat.abs().topk(round(ratio * flat.numel())).indices
+    out = torch.zeros_like(flat)
+    out[keep] = flat[keep].half().float()
+    return out.reshape(y.shape)
+
+
 def test_error_feedback_state_is_per_slot():
-    sender, _ = pair(Compression("topk", ratio=0.5, feedback="ef"))
-    sender.encode(torch.randn(2, 3), slot=0)
-    sender.encode(torch.randn(5, 3), slot=1)
-    assert sender.errors[0].shape == (2, 3) and sender.errors[1].shape == (5, 3)
+    sender, receiver = pair(Compression("topk", ratio=0.5, feedback="ef"))
+    torch.manual_seed(0)
+    # Slots 0 and 1 share a shape, so mixing their buffers would not be hidden by a shape reset;
+    # slot 2 has its own shape. Visits: 0, 1, 0, 2, 1, 0.
+    errors = {}
+    for slot in (0, 1, 0, 2, 1, 0):
+        x = torch.randn((5, 4) if slot == 2 else (2, 4))
+        others = {s: e.clone() for s, e in sender.errors.items() if s != slot}
+        corrected = x + errors.get(slot, torch.zeros_like(x))  # e_old = 0 on a slot's first visit
+        out = receiver.decode(sender.encode(x, slot=slot), x.shape, x.dtype, slot=slot)
+        delivered = topk_by_hand(corrected, 0.5)
+        torch.testing.assert_close(out, delivered, atol=0, rtol=0)
+        errors[slot] = corrected - delivered  # e_new = (x + e_old) - D(C(x + e_old))
+        torch.testing.assert_close(sender.errors[slot], errors[slot], atol=0, rtol=0)
+        assert errors[slot].abs().sum() > 0
+        assert sender.errors.keys() == errors.keys()
+        assert all(torch.equal(sender.errors[s], e) for s, e in others.items())  # other slots untouched
 
 
 def test_ef21_sender_and_receiver_estimates_agree():
