@@ -2,17 +2,28 @@
 
 Each stage runs in its own network namespace; a veth pair joins them and `tc tbf` shapes both
 ends to the given rate (plus one unshaped run on 127.0.0.1). For every link, ONE pair of
-processes runs every method back to back (benchmarks/slow_link_worker.py), so the ratios compare
-runs made on the same link in the same minute. Needs root (namespaces, tc); everything the run
-creates is named after its pid and removed at the end.
+processes runs every model and method back to back (benchmarks/slow_link_worker.py), so the
+ratios compare runs made on the same link in the same minute. Needs root (namespaces, tc);
+everything the run creates is named after its pid and removed at the end.
+
+Models: a small-vocabulary GPT-2 (untied), and the same blocks with GPT-2's real vocabulary
+(50257) once with `lm_head.weight` tied to `transformer.wte.weight` and once untied, to show
+what the tie exchange costs. On every shaped link, the bytes the run counted over the measured
+steps are checked against the tx counters of the two veth ends (a warning beyond 5%).
 
     sudo .venv/bin/python benchmarks/slow_link.py                    # 50, 100, 500 Mbit/s + loopback
-    sudo .venv/bin/python benchmarks/slow_link.py --rates 100 --steps 3
+    sudo .venv/bin/python benchmarks/slow_link.py --rates 100 --steps 3 --models small
 
-Writes benchmarks/results/slow_link.{json,md}. "Allowed" speed-up: the best a method could do
-given its byte ratio and its own compute floor (its loopback step); see summarize().
-"Waiting" is the share of the uncompressed step a stage spends blocked on its peer (the link,
-and also pipeline bubbles, which is why it is 35% even on loopback).
+Writes benchmarks/results/slow_link.{json,md} (`--name` another file; `--merge` keeps the saved
+rows of links not measured again). benchmarks/results/slow_link_repeat.* is a second run of some
+links, for the run-to-run spread: `--name slow_link_repeat --rates 100 --no_loopback --models
+tied untied`, then `--name slow_link_repeat --merge --models small --rates 500`.
+Rows measured while other processes used more than 10% of the CPUs are measured again.
+
+"Allowed" speed-up: the best a method could do given its byte ratio and its own compute floor
+(its loopback step); see summarize(). "Waiting" is the share of the uncompressed step a stage
+spends blocked on its peer (the link, and also pipeline bubbles, which is why it is about a
+third even on loopback for the small model).
 """
 
 from __future__ import annotations
@@ -20,15 +31,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
+import sys
 
 from launch import run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 WORKER = os.path.join(ROOT, "benchmarks", "slow_link_worker.py")
-PEER = "torch.distributed.pipelining"
+PEERS = ("torch.distributed.pipelining", "torch.distributed.pipelining + all-reduce of the tied weight")
 BASE = "ours, uncompressed"
+LINK_TOLERANCE = 0.05  # counted bytes vs the veth counters
+HEADER_BYTES = 66  # per packet on the veth: Ethernet 14 + IPv4 20 + TCP 20 + 12 of timestamps
 
 
 def sh(*cmd: str) -> None:
@@ -72,7 +87,8 @@ def run_pair(link: str, worker_args: list[str], namespaces: LinkedNamespaces | N
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Speed-ups over the peer, and the share of the speed-up the byte ratio allows.
+    """Speed-ups over the peer, the share of the speed-up the byte ratio allows, tied vs untied,
+    and counted vs interface bytes. Rows are compared within one link and one model.
 
     Allowed speed-up of a method on a link, with perfect overlap of compute and communication:
     its step cannot take less than the uncompressed step's time divided by the byte ratio (the
@@ -80,48 +96,158 @@ def summarize(rows: list[dict]) -> list[dict]:
     loopback (its compute and encoding floor). So `allowed = T_base / max(T_base / ratio,
     T_loopback(method))`, and the share is achieved / allowed speed-up over ours-uncompressed.
     """
-    by_link: dict[str, dict[str, dict]] = {}
+    groups: dict[tuple[str, str], dict[str, dict]] = {}
     for r in rows:
-        by_link.setdefault(r["link"], {})[r["method"]] = r
-    loopback = by_link.get("loopback", {})
-    for methods in by_link.values():
-        peer, base = methods[PEER], methods[BASE]
-        t_base = base["seconds_per_step"]
+        r.setdefault("model", "vocab 1024, untied")  # results written before models were named
+        groups.setdefault((r["link"], r["model"]), {})[r["method"]] = r
+    for (_, model), methods in groups.items():
+        loopback = groups.get(("loopback", model), {})
+        peer = next((methods[p] for p in PEERS if p in methods), None)
+        base = methods.get(BASE)
+        t_base = base["seconds_per_step"] if base else None
         t_loop_base = loopback[BASE]["seconds_per_step"] if BASE in loopback else 0.0
         for name, r in methods.items():
-            r["speedup_vs_peer"] = peer["seconds_per_step"] / r["seconds_per_step"]
-            r["speedup_vs_uncompressed"] = t_base / r["seconds_per_step"]
-            floor = loopback[name]["seconds_per_step"] if name in loopback else 0.0
-            r["allowed_speedup"] = max(t_base / max(t_base / r["byte_ratio"], floor), 1.0)
-            r["share_of_allowed"] = (r["speedup_vs_uncompressed"] / r["allowed_speedup"]
-                                     if r["allowed_speedup"] > 1.01 else None)
-            r["link_fraction"] = max(t_base - t_loop_base, 0.0) / t_base
-            r["uncompressed_waiting_fraction"] = max(base["waiting_fraction"].values())
+            r["speedup_vs_peer"] = peer["seconds_per_step"] / r["seconds_per_step"] if peer else None
+            r["speedup_vs_uncompressed"] = t_base / r["seconds_per_step"] if base else None
+            if base:
+                floor = loopback[name]["seconds_per_step"] if name in loopback else 0.0
+                r["allowed_speedup"] = max(t_base / max(t_base / r["byte_ratio"], floor), 1.0)
+                r["share_of_allowed"] = (r["speedup_vs_uncompressed"] / r["allowed_speedup"]
+                                         if r["allowed_speedup"] > 1.01 else None)
+                r["link_fraction"] = max(t_base - t_loop_base, 0.0) / t_base
+                r["uncompressed_waiting_fraction"] = max(base["waiting_fraction"].values())
+            link = r.get("link_tx_bytes_window")
+            r["link_over_counted"] = link / r["counted_bytes_window"] if link else None
+            if link:
+                payload = link - HEADER_BYTES * r["link_tx_packets_window"]
+                r["link_payload_over_counted"] = payload / r["counted_bytes_window"]
+                if abs(r["link_payload_over_counted"] - 1) > LINK_TOLERANCE:
+                    print(f"WARNING: {r['link']}, {model}, {name}: the veth interfaces carried {payload} bytes "
+                          f"of TCP payload ({link} with headers), the run counted {r['counted_bytes_window']} "
+                          f"({r['link_payload_over_counted']:.3f}x, more than {100 * LINK_TOLERANCE:.0f}% off)")
+    for (link, model), methods in groups.items():
+        if not model.endswith(", tied"):
+            continue
+        untied = groups.get((link, model.replace(", tied", ", untied")), {})
+        for name, r in methods.items():
+            if name in untied:
+                r["untied_seconds_per_step"] = untied[name]["seconds_per_step"]
+                r["tied_over_untied"] = r["seconds_per_step"] / untied[name]["seconds_per_step"]
     return rows
+
+
+def _f(value, fmt: str, suffix: str = "") -> str:
+    return "" if value is None else f"{value:{fmt}}{suffix}"
+
+
+def _mb(r: dict, category: str) -> str:
+    c = r["categories"].get(category)
+    return f"{c['bytes_sent_per_step'] / 1e6:.3f}" if c and c["bytes_sent_per_step"] else "0"
 
 
 def write(rows: list[dict], args) -> None:
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "slow_link.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
         json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    models = list(dict.fromkeys(r["model"] for r in rows))
     lines = [
-        f"GPT-2 style, {args.layers} layers x hidden {args.hidden}, vocab {args.vocab}; 2 stages in 2 network "
-        f"namespaces; batch {args.batch_size} x {args.seq_len} tokens in {args.micro_batches} micro-batches, 1F1B; "
-        f"1 CPU thread per stage; mean of {args.steps} steps after {args.warmup} warm-up steps "
-        "(AQ-SGD's uncompressed first visits happen in the warm-up).",
+        f"GPT-2 style, {args.layers} layers x hidden {args.hidden}; 2 stages in 2 network namespaces joined by a "
+        f"tc-shaped veth pair (or loopback); batch {args.batch_size} x {args.seq_len} tokens in "
+        f"{args.micro_batches} micro-batches, 1F1B; 1 CPU thread per stage; mean of {args.steps} steps "
+        f"(real-vocabulary models: {args.large_steps}) after {args.warmup} warm-up steps (AQ-SGD's uncompressed "
+        "first visits happen in the warm-up). Tokens are uniform over the vocabulary. During the measured steps, "
+        "other processes used at most "
+        f"{100 * max(r.get('other_cpu_share', 0.0) for r in rows):.0f}% of the machine's CPUs (/proc/stat minus "
+        f"the two ranks' own CPU time; a row was measured again, up to {args.retries} times, while above "
+        f"{100 * args.max_other_cpu:.0f}%).",
         "",
-        "| link | method | tokens/s | MB/step | byte ratio | speed-up vs peer | vs ours uncompressed | "
-        "allowed by bytes | share of allowed | uncompressed step: waiting / added by the link |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "Models:",
+        "",
+    ]
+    for model in models:
+        r = next(r for r in rows if r["model"] == model)
+        if r.get("tied"):
+            lines.append(f"- **{model}**: `lm_head.weight` <-> `transformer.wte.weight` tied "
+                         f"(`tie_word_embeddings=True`); the first stage holds the input embedding, the last the "
+                         f"head. {r['distinct_tokens_per_batch']:.0f} distinct tokens per batch on average: the "
+                         "embedding rows ours exchanges for the tie. torch.distributed.pipelining does not sync a "
+                         "weight shared by two stages, so its row adds the all-reduce of the full tied gradient "
+                         "(vocab x hidden) that a user has to write by hand.")
+        else:
+            lines.append(f"- **{model}**: untied (`tie_word_embeddings=False`), no tie traffic.")
+    lines += [
+        "",
+        "| link | model | method | tokens/s | s/step | MB/step | byte ratio | speed-up vs peer | "
+        "vs ours uncompressed | allowed by bytes | share of allowed | uncompressed step: waiting / added by the link |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        share = "" if r["share_of_allowed"] is None else f"{100 * r['share_of_allowed']:.0f}%"
+        wait = ("" if r.get("uncompressed_waiting_fraction") is None else
+                f"{100 * r['uncompressed_waiting_fraction']:.0f}% / {100 * r['link_fraction']:.0f}%")
         lines.append(
-            f"| {r['link']} | {r['method']} | {r['tokens_per_s']:.0f} | {r['bytes_per_step'] / 1e6:.2f} | "
-            f"{r['byte_ratio']:.1f}x | {r['speedup_vs_peer']:.2f}x | {r['speedup_vs_uncompressed']:.2f}x | "
-            f"{r['allowed_speedup']:.2f}x | {share} | {100 * r['uncompressed_waiting_fraction']:.0f}% / "
-            f"{100 * r['link_fraction']:.0f}% |")
-    with open(os.path.join(RESULTS, "slow_link.md"), "w") as f:
+            f"| {r['link']} | {r['model']} | {r['method']} | {r['tokens_per_s']:.0f} | {r['seconds_per_step']:.3f} | "
+            f"{r['bytes_per_step'] / 1e6:.2f} | {r['byte_ratio']:.1f}x | {_f(r['speedup_vs_peer'], '.2f', 'x')} | "
+            f"{_f(r['speedup_vs_uncompressed'], '.2f', 'x')} | {_f(r.get('allowed_speedup'), '.2f', 'x')} | "
+            f"{_f(r.get('share_of_allowed') and 100 * r['share_of_allowed'], '.0f', '%')} | {wait} |")
+
+    tied_rows = [r for r in rows if r.get("tied_over_untied") is not None]
+    if tied_rows:
+        lines += [
+            "",
+            "Tied vs untied, same real-vocabulary model, same link, same minute. The tie exchange is 2 x "
+            "distinct tokens x hidden x 4 bytes per step, lossless, sent before the forward and after the backward "
+            "(not overlapped with compute).",
+            "",
+            "| link | method | untied s/step | tied s/step | tied / untied | tie MB/step |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in tied_rows:
+            lines.append(f"| {r['link']} | {r['method']} | {r['untied_seconds_per_step']:.3f} | "
+                         f"{r['seconds_per_step']:.3f} | {r['tied_over_untied']:.2f}x | {_mb(r, 'tie')} |")
+
+    categories = ["activations", "activation_gradients", "tie", "collectives", "data_parallel"]
+    link0 = next((r["link"] for r in rows if r["link"] != "loopback"), rows[0]["link"])
+    same = all(r["categories"] == s["categories"] for r in rows for s in rows
+               if (r["model"], r["method"]) == (s["model"], s["method"]))
+    lines += [
+        "",
+        f"MB per step by category, summed over both ranks (from `pipe.stats(gather=True)['categories']` for ours, "
+        f"the tensor sizes for the peer), on {link0}"
+        + (" (the same on every link)." if same else "; other links differ, see slow_link.json.")
+        + " Collectives (loss broadcast) are counted with the ring formulas.",
+        "",
+        "| model | method | activations | activation gradients | tie | collectives | data parallel | total |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["link"] == link0:
+            lines.append(f"| {r['model']} | {r['method']} | " + " | ".join(_mb(r, c) for c in categories)
+                         + f" | {r['bytes_per_step'] / 1e6:.3f} |")
+
+    checked = [r for r in rows if r.get("link_over_counted") is not None]
+    if checked:
+        lines += [
+            "",
+            "Counted bytes vs the veth interfaces: the bytes the run counted over the measured steps (sum over "
+            "both ranks; for the peer, the tensor sizes), and the tx bytes and packets of both veth ends over the "
+            "same window (read in each namespace, as `ip -n NS -s link show DEV`). The interfaces also carry "
+            f"Ethernet/IPv4/TCP headers ({HEADER_BYTES} bytes a packet, TCP timestamps on) and TCP "
+            "acknowledgements, so the raw tx bytes are a few percent more than the payload; without the headers, "
+            "what remains is gloo's message headers and two barriers. A payload more than "
+            f"{100 * LINK_TOLERANCE:.0f}% off the counted bytes prints a warning.",
+            "",
+            "| link | model | method | counted MB | veth tx MB | veth / counted | veth packets | "
+            f"veth tx MB - {HEADER_BYTES} B/packet | payload / counted |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in checked:
+            payload = r["link_tx_bytes_window"] - HEADER_BYTES * r["link_tx_packets_window"]
+            flag = " (off by > 5%)" if abs(r["link_payload_over_counted"] - 1) > LINK_TOLERANCE else ""
+            lines.append(f"| {r['link']} | {r['model']} | {r['method']} | {r['counted_bytes_window'] / 1e6:.2f} | "
+                         f"{r['link_tx_bytes_window'] / 1e6:.2f} | {r['link_over_counted']:.3f} | "
+                         f"{r['link_tx_packets_window']} | {payload / 1e6:.2f} | "
+                         f"{r['link_payload_over_counted']:.3f}{flag} |")
+    with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -130,7 +256,11 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", type=int, nargs="*", default=[50, 100, 500], help="Mbit/s of the shaped links")
     p.add_argument("--no_loopback", action="store_true")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--models", nargs="+", default=["small", "tied", "untied"], choices=["small", "tied", "untied"],
+                   help="small: vocab --vocab, untied; tied / untied: vocab --large_vocab with and without "
+                        "tie_word_embeddings")
+    p.add_argument("--steps", type=int, default=8, help="measured steps of the small model")
+    p.add_argument("--large_steps", type=int, default=6, help="measured steps of the real-vocabulary models")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--micro_batches", type=int, default=4)
@@ -138,18 +268,28 @@ def main(argv=None) -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--large_vocab", type=int, default=50257, help="GPT-2's vocabulary")
+    p.add_argument("--max_other_cpu", type=float, default=0.1,
+                   help="measure a row again when other processes used more than this share of the CPUs")
+    p.add_argument("--retries", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--name", default="slow_link", help="results file name in benchmarks/results/ (.json, .md)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of benchmarks/results/slow_link.json for the links this run does not measure")
     p.add_argument("--summarize_only", action="store_true",
                    help="recompute the table from benchmarks/results/slow_link.json without running")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the namespaces are removed
     if args.summarize_only:
-        with open(os.path.join(RESULTS, "slow_link.json")) as f:
+        with open(os.path.join(RESULTS, f"{args.name}.json")) as f:
             saved = json.load(f)
-        vars(args).update({k: v for k, v in saved["args"].items() if k != "summarize_only"})
+        vars(args).update({k: v for k, v in saved["args"].items() if k not in ("summarize_only", "name")})
         write(summarize(saved["rows"]), args)
         return
     worker_args = [f"--{k}={getattr(args, k)}" for k in
-                   ("steps", "warmup", "batch_size", "micro_batches", "seq_len", "hidden", "layers", "vocab")]
+                   ("steps", "large_steps", "warmup", "batch_size", "micro_batches", "seq_len", "hidden", "layers",
+                    "vocab", "large_vocab", "max_other_cpu", "retries")]
+    worker_args += ["--models", *args.models]
     rows = []
     port = 29600 + os.getpid() % 1000
     if not args.no_loopback:
@@ -159,6 +299,14 @@ def main(argv=None) -> None:
             for i, rate in enumerate(args.rates):
                 namespaces.shape(rate)
                 rows += run_pair(f"{rate} Mbit/s", worker_args, namespaces, port + 1 + i, args.timeout)
+    if args.merge:
+        with open(os.path.join(RESULTS, f"{args.name}.json")) as f:
+            saved = json.load(f)["rows"]
+        measured = {r["link"] for r in rows}
+        rows = [r for r in saved if r["link"] not in measured] + rows
+        rows.sort(key=lambda r: -1 if r["link"] == "loopback" else int(r["link"].split()[0]))  # stable
+        args.rates = sorted({int(r["link"].split()[0]) for r in rows if r["link"] != "loopback"})
+        args.no_loopback = not any(r["link"] == "loopback" for r in rows)
     write(summarize(rows), args)
 
 
