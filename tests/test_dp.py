@@ -23,23 +23,31 @@ def test_qsgd_is_unbiased_and_sized_exactly():
     assert (mean - x).abs().max() < tolerance
 
 
-def test_marsit_merge_picks_a_uniform_worker():
-    """After merging W workers' bits in ring order, each coordinate is worker w's bit w.p. 1/W."""
+def test_marsit_merge_signs_keeps_the_mean_sign():
+    """The library's merge rule, applied in ring order, keeps the mean of the workers' sign bits."""
     workers, n = 4, 200_000
     g = torch.Generator().manual_seed(0)
-    owner = [torch.full((n,), w) for w in range(workers)]
-    aggregate = owner[0]
-    for covered in range(1, workers):
-        keep = torch.rand(n, generator=g) < covered / (covered + 1)
-        aggregate = torch.where(keep, aggregate, owner[covered])
-    shares = torch.bincount(aggregate, minlength=workers).float() / n
-    assert torch.allclose(shares, torch.full((workers,), 0.25), atol=0.005)
-    # the same rule through the library function, on sign bits
     signs = [torch.rand(n, generator=g) < p for p in (0.1, 0.5, 0.7, 0.9)]
     merged = signs[0]
     for covered in range(1, workers):
         merged = dp.merge_signs(merged, signs[covered], covered, g)
     assert merged.float().mean().item() == pytest.approx(torch.stack(signs).float().mean().item(), abs=0.005)
+
+
+def test_marsit_ring_picks_a_uniform_worker(tmp_path):
+    """Through the real hook on 4 processes: every coordinate ends as exactly one worker's sign
+    bit, the same on every rank, and in every ring chunk each worker owns 1/4 of the coordinates
+    (each chunk starts its trip at a different worker, so a wrong keep probability at any hop
+    skews the shares: with 1/2 at every hop they would be 1/8, 1/8, 1/4, 1/2)."""
+    world, per_chunk = 4, 50_000
+    run_workers("dp_worker.py", world, ["marsit_owners", str(tmp_path), str(per_chunk)])
+    positive = [load_file(tmp_path / f"rank{r}.safetensors")["positive"] for r in range(world)]
+    for r in range(1, world):
+        assert torch.equal(positive[r], positive[0])  # every worker agrees on every bit
+    assert torch.equal(positive[0].sum(0), torch.ones(world * per_chunk, dtype=torch.uint8))  # one owner each
+    shares = positive[0].view(world, world, per_chunk).float().mean(2)  # [worker, chunk]
+    # binomial std of a share over 50,000 coordinates: 0.0019; 0.01 is 5 of them
+    assert torch.allclose(shares, torch.full((world, world), 0.25), atol=0.01), shares
 
 
 def test_available_hooks():
@@ -66,6 +74,12 @@ def test_allreduce_hook_is_the_exact_average(tmp_path, world):
         for name in got:
             expected = torch.stack([g[name] for g in grads]).mean(0)
             torch.testing.assert_close(got[name], expected, atol=1e-6, rtol=1e-5)
+        # DDP's own all-reduce gives the same average: the stats show that our hook did it, once,
+        # for all 676 fp32 gradients (one bucket), with the ring all-reduce's bytes.
+        stats = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        wire = dp.ring_allreduce_bytes(676 * 4, world)
+        assert (stats["hook"], stats["steps"]) == ("allreduce", 1)
+        assert stats["bytes_sent"] == stats["bytes_uncompressed"] == wire, stats
 
 
 def test_error_feedback_accounting_is_exact(tmp_path):
@@ -98,22 +112,44 @@ def test_qsgd_randk_marsit_are_unbiased_across_4_workers(tmp_path):
     assert stats["bytes_sent"] == repeats * (2 * 3 * (64 // 8) + ((2 * 3 * 4) // 4))
 
 
+ALL_HOOKS = {"allreduce", "topk", "randk", "dgc", "qsgd", "ef_sign", "marsit", "powersgd"}
+# topk and dgc (error feedback / momentum correction at 10% and 5%), qsgd (15 levels) and
+# powersgd: little information lost per step.
+NEAR_LOSSLESS = {"topk", "dgc", "qsgd", "powersgd"}
+
+
 @pytest.mark.parametrize("cast", ["none", "bf16"])
 def test_every_hook_trains_close_to_uncompressed(tmp_path, cast):
+    """Bounds in uncompressed steps (the runs are seeded and deterministic): every hook ends at
+    least where uncompressed training is after 2/3 of the steps, and the near-lossless ones after
+    5/6. At 30 steps these are 0.677 and 0.582 against the uncompressed 0.505; the worst hooks
+    reach 0.640 (ef_sign) and 0.542 (dgc). TopK without error feedback ends at 0.656 and fails
+    the second bound; a hook that halves the average (half the step size) fails both."""
     steps = 30
     run_workers("dp_worker.py", 2, ["train", str(tmp_path), str(steps), cast], timeout=300)
-    result = json.loads((tmp_path / "rank0.json").read_text())
+    report = json.loads((tmp_path / "rank0.json").read_text())
     other = json.loads((tmp_path / "rank1.json").read_text())
+    result, refused = report["runs"], report["refused"]
+    # exactly these hooks ran: one dropped or refused fails here
+    if cast == "bf16":  # torch refuses its bf16 wrapper without CUDA + NCCL; no other hook may be missing
+        assert set(refused) == {"powersgd"} and "NCCL" in refused["powersgd"], refused
+        assert set(result) == ALL_HOOKS - {"powersgd"}
+    else:
+        assert refused == {} and set(result) == ALL_HOOKS
     for name in result:  # the replicas stay identical
-        assert result[name]["losses"] == other[name]["losses"], name
-    baseline = result["allreduce"]["losses"]
-    assert baseline[-1] < 0.6 * baseline[0]
+        assert result[name]["losses"] == other["runs"][name]["losses"], name
+    baseline = result["allreduce"]["losses"]  # losses[i]: after step i + 1
+    assert baseline[-1] < 0.45 * baseline[0]
     for name, run in result.items():
-        losses = run["losses"]
-        assert losses[-1] < 0.75 * losses[0], name
-        assert losses[-1] < baseline[-1] + 0.2, name
-        if name != "allreduce":
-            assert run["stats"]["compression_ratio"] > 2, name
+        stats, losses = run["stats"], run["losses"]
+        assert stats["hook"] == name and stats["steps"] == steps and stats["bytes_sent"] > 0, (name, stats)
+        assert losses[-1] <= baseline[2 * steps // 3 - 1], (name, losses[-1], baseline)
+        if name in NEAR_LOSSLESS:
+            assert losses[-1] <= baseline[5 * steps // 6 - 1], (name, losses[-1], baseline)
+        if name == "allreduce":
+            assert stats["compression_ratio"] == 1.0
+        else:
+            assert stats["compression_ratio"] > 2, name
 
 
 @pytest.mark.parametrize("name", ["topk", "randk", "dgc", "qsgd", "ef_sign", "marsit"])

@@ -36,14 +36,37 @@ def shard(rank: int, step: int, rows: int = 32):
 
 
 def exact_average(out_dir):
-    """The no-compression hook gives exactly the mean of the per-rank gradients."""
+    """The no-compression hook gives exactly the mean of the per-rank gradients. DDP's own
+    all-reduce gives the same mean, so the hook's stats are written too: they show it ran."""
     rank = dist.get_rank()
     model = DDP(small_model())
-    dp.register(model, "allreduce")
+    state = dp.register(model, "allreduce")
     x, y = shard(rank, 0)
     torch.nn.functional.mse_loss(model(x), y).backward()
     save_file({n: p.grad.contiguous() for n, p in model.module.named_parameters()},
               os.path.join(out_dir, f"rank{rank}.safetensors"))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(state.stats(), f)
+
+
+def marsit_owners(out_dir, per_chunk):
+    """Which worker's sign each coordinate of Marsit's ring ends with, through the real hook.
+
+    Experiment w: worker w's gradient is +1 everywhere, every other worker's -1, so the hook's
+    output is positive exactly where the ring kept worker w's bit. A fresh hook per experiment
+    (same seed, so the same random masks) makes the 4 experiments share one assignment: the
+    owner of coordinate i is the w whose experiment gave a positive output at i."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = world * per_chunk
+    params = [torch.nn.Parameter(torch.zeros(n))]
+    positive = []
+    for w in range(world):
+        state = dp.make_compressor("marsit", None, compensation=False)
+        g = torch.full((n,), 1.0 if rank == w else -1.0)
+        out = state.reduce(g, params)
+        assert state.stats()["bytes_sent"] > 0
+        positive.append(out > 0)
+    save_file({"positive": torch.stack(positive).to(torch.uint8)}, os.path.join(out_dir, f"rank{rank}.safetensors"))
 
 
 def accounting(out_dir):
@@ -94,15 +117,20 @@ def unbiased(out_dir, repeats):
 
 
 def train(out_dir, steps, cast):
-    """Train the small model with every hook under DDP; record the loss on a fixed eval set."""
+    """Train the small model with every hook under DDP; record the loss on a fixed eval set.
+    A hook that `register` refuses is recorded with its error under "refused" (torch's bf16
+    wrapper for PowerSGD needs CUDA + NCCL), never skipped silently."""
     rank = dist.get_rank()
     x_eval, y_eval = shard(99, 99, rows=256)
     result = {}
+    refused = {}
     for name, params in HOOK_PARAMS.items():
-        if name == "powersgd" and cast == "bf16":
-            continue  # torch's bf16 wrapper for PowerSGD needs CUDA + NCCL
         model = DDP(small_model())
-        state = dp.register(model, name, cast=None if cast == "none" else cast, **params)
+        try:
+            state = dp.register(model, name, cast=None if cast == "none" else cast, **params)
+        except (TypeError, RuntimeError) as err:
+            refused[name] = str(err)
+            continue
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         losses = []
         for step in range(steps):
@@ -115,7 +143,7 @@ def train(out_dir, steps, cast):
                 losses.append(torch.nn.functional.mse_loss(model.module(x_eval), y_eval).item())
         result[name] = {"losses": losses, "stats": state.stats()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+        json.dump({"runs": result, "refused": refused}, f)
 
 
 def resume(out_dir, name):
@@ -200,6 +228,7 @@ def main():
         dist.init_process_group("gloo")
     {"accelerate": lambda: accelerate_ddp(out_dir),
      "exact_average": lambda: exact_average(out_dir),
+     "marsit_owners": lambda: marsit_owners(out_dir, int(rest[0])),
      "accounting": lambda: accounting(out_dir),
      "unbiased": lambda: unbiased(out_dir, int(rest[0])),
      "train": lambda: train(out_dir, int(rest[0]), rest[1]),
