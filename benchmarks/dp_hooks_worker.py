@@ -1,14 +1,21 @@
-"""One data-parallel worker of benchmarks/dp_hooks.py: every hook, one after the other, under DDP.
+"""One data-parallel worker of benchmarks/dp_hooks.py: every method, one after the other, under DDP.
 
-For each hook: `--loss_steps` training steps from the same initialisation on this worker's shard
-of the offline corpus (then the eval loss), or, with `--loss_steps 0`, only `--steps` timed steps
-(step time, hook time, bytes). Rank 0 writes the rows.
+Two modes. With `--loss_steps N`: each method trains N steps from the same initialisation on this
+worker's shard of the offline corpus, in list order, and reports the eval loss. Otherwise:
+`--repeats` rounds of `--steps` timed steps per method (after 3 warm-up steps), each round in a
+different order (round k starts at method k * n / repeats and runs backwards on odd k), so no
+method always runs first or right after the same neighbour. Rank 0 writes the rows.
+
+The peer is DDP with no hook: torch's built-in all-reduce, which overlaps each bucket's
+all-reduce with the rest of the backward. Our `allreduce` hook is the same average computed
+synchronously inside the hook (as all our hooks do).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -19,10 +26,12 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from hf_actcomp import dp
 from hf_actcomp.data import build_tokenizer, causal_lm_datasets, offline_corpus
 
-# (label, hook, params). Sparsifiers at two levels whose wire bytes are ~50x and ~1000x below
-# a ring all-reduce's at 2 workers; the rest at their natural setting.
+PEER = "DDP built-in all-reduce (no hook)"
+# (label, hook or None for the peer, params). Sparsifiers at two levels whose wire bytes are ~50x
+# and ~1000x below a ring all-reduce's at 2 workers; the rest at their natural setting.
 HOOKS = [
-    ("all-reduce (no compression)", "allreduce", {}),
+    (PEER, None, {}),
+    ("our all-reduce hook (no compression)", "allreduce", {}),
     ("PowerSGD rank 4 (torch)", "powersgd", {"matrix_approximation_rank": 4, "start_powerSGD_iter": 10}),
     ("topk 50x", "topk", {"ratio": 0.01}),
     ("topk 1000x", "topk", {"ratio": 0.0005}),
@@ -34,6 +43,112 @@ HOOKS = [
     ("ef_sign", "ef_sign", {}),
     ("marsit", "marsit", {}),
 ]
+TIMED_WARMUP = 3  # bucket rebuild after step 1; PowerSGD's 2 uncompressed steps in timed runs
+
+
+def timed_params(hook: str | None, params: dict) -> dict:
+    """Timed runs measure the steady state: no DGC sparsity warm-up, PowerSGD compressing from
+    step 3 (torch needs 2 uncompressed steps; the 3 warm-up steps cover them)."""
+    if hook == "dgc":
+        return {**params, "warmup_steps": 0}
+    if hook == "powersgd":
+        return {**params, "start_powerSGD_iter": 2}
+    return params
+
+
+def round_order(n: int, k: int, repeats: int) -> list[int]:
+    start = k * n // repeats
+    order = [(start + i) % n for i in range(n)]
+    return order[::-1] if k % 2 else order
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (/proc/stat)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in f.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+class Method:
+    """One method's DDP model, optimizer and hook state, ready to step."""
+
+    def __init__(self, hook, params, tokenizer, shard, args) -> None:
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=len(tokenizer), n_positions=args.seq_len, n_embd=256, n_layer=2, n_head=4,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        self.model = DDP(AutoModelForCausalLM.from_config(config))
+        self.state = dp.register(self.model, hook, **params) if hook is not None else None
+        # DGC applies momentum in the hook; the others use SGD with momentum.
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.0 if hook == "dgc" else 0.9)
+        self.shard, self.batch_size = shard, args.batch_size
+        self.parameters = sum(p.numel() for p in self.model.parameters())
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def step(self, i: int) -> None:
+        start = (i * self.batch_size) % (len(self.shard) - self.batch_size)
+        batch = self.shard[start : start + self.batch_size]
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def reset_stats(self) -> None:
+        if self.state is not None:
+            self.state.bytes_sent = self.state.bytes_uncompressed = 0
+            self.state.seconds = 0.0
+
+    def stats(self, steps: int, world: int) -> dict:
+        """Bytes each worker sends per step (ring formulas), byte ratio, hook seconds per step.
+        The peer has no hook: its bytes are a ring all-reduce of every gradient, once per step."""
+        if self.state is None:
+            return dict(bytes_per_step=float(dp.ring_allreduce_bytes(self.param_bytes, world)), byte_ratio=1.0,
+                        hook_seconds_per_step=None)
+        s = self.state.stats()
+        return dict(bytes_per_step=s["bytes_sent"] / steps, byte_ratio=s["compression_ratio"],
+                    hook_seconds_per_step=s["seconds"] / steps)
+
+    def timed(self, first: int, steps: int) -> tuple[float, float]:
+        """Seconds per step over `steps` steps between two barriers, and the share of the machine's
+        CPUs that other processes used meanwhile (rank 0's busy CPU time minus all our ranks' own;
+        every rank computes the same number)."""
+        dist.barrier()
+        busy, own = busy_cpu_seconds(), time.process_time()
+        start = time.perf_counter()
+        for i in range(first, first + steps):
+            self.step(i)
+        dist.barrier()
+        wall = time.perf_counter() - start
+        mine = (busy_cpu_seconds() - busy, time.process_time() - own, wall)
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, mine)
+        busy, _, wall = per_rank[0]
+        other = max(busy - sum(r[1] for r in per_rank), 0.0) / (os.cpu_count() * wall)
+        return wall / steps, other
+
+    def measure(self, first: int, steps: int, args) -> tuple[float, float, int]:
+        """`timed`, taken again (after the machine goes quiet, continuing the step sequence) while
+        other processes used more than `--max_other_cpu` of the CPUs, at most `--retries` times."""
+        for attempt in range(args.retries + 1):
+            self.reset_stats()
+            seconds, other = self.timed(first + attempt * steps, steps)
+            if other <= args.max_other_cpu or attempt == args.retries:
+                return seconds, other, attempt + 1
+            if dist.get_rank() == 0:
+                print(f"other processes used {100 * other:.0f}% of the CPUs: measuring again", flush=True)
+                wait_until_quiet(args.max_other_cpu)
+            dist.barrier()
+        raise AssertionError("unreachable")
+
+
+def wait_until_quiet(limit: float, period: float = 3.0, longest: float = 600.0) -> None:
+    """Sleep until the machine's CPUs were busy at most `limit` over `period` seconds (our own
+    ranks are idle meanwhile), or `longest` seconds have passed."""
+    deadline = time.monotonic() + longest
+    while time.monotonic() < deadline:
+        busy = busy_cpu_seconds()
+        time.sleep(period)
+        if (busy_cpu_seconds() - busy) / (os.cpu_count() * period) <= limit:
+            return
 
 
 def main() -> None:
@@ -41,11 +156,14 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--link", required=True)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--loss_steps", type=int, default=0)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.5)
-    p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--only", nargs="*", default=None, help="labels to run (default: all)")
+    p.add_argument("--max_other_cpu", type=float, default=0.1)
+    p.add_argument("--retries", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -53,61 +171,53 @@ def main() -> None:
     texts = offline_corpus()
     tokenizer = build_tokenizer(texts, vocab_size=1024)
     train, evaluation = causal_lm_datasets(tokenizer, texts, seq_len=args.seq_len)
-    train = train.with_format("torch")
-    shard = train.shard(world, rank)  # disjoint shards
+    shard = train.with_format("torch").shard(world, rank)  # disjoint shards
     eval_rows = evaluation.with_format("torch")[:64]
-    rows = []
-    for label, hook, params in HOOKS:
-        if args.only and hook not in args.only:
-            continue
-        torch.manual_seed(0)
-        config = GPT2Config(vocab_size=len(tokenizer), n_positions=args.seq_len, n_embd=256, n_layer=2, n_head=4,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-        model = DDP(AutoModelForCausalLM.from_config(config))
-        # Timing runs measure the steady state: no DGC sparsity warm-up, PowerSGD compressing from
-        # step 2 (torch needs 2 uncompressed steps), and 3 warm-up steps before the clock starts.
-        if not args.loss_steps and hook == "dgc":
-            params = {**params, "warmup_steps": 0}
-        if not args.loss_steps and hook == "powersgd":
-            params = {**params, "start_powerSGD_iter": 2}
-        state = dp.register(model, hook, **params)
-        # DGC applies momentum in the hook; the others use SGD with momentum.
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if hook == "dgc" else 0.9)
-        steps = args.loss_steps or args.steps
+    methods = [m for m in HOOKS if not args.only or m[0] in args.only]
 
-        def step(i: int, model=model, optimizer=optimizer) -> None:
-            start = (i * args.batch_size) % (len(shard) - args.batch_size)
-            batch = shard[start : start + args.batch_size]
-            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-        warmup = 1 if args.loss_steps else 3  # bucket rebuild; PowerSGD's uncompressed start
-        for i in range(warmup):
-            step(i)
-        state.bytes_sent = state.bytes_uncompressed = 0
-        state.seconds = 0.0
-        dist.barrier()
-        start = time.perf_counter()
-        for i in range(warmup, warmup + steps):
-            step(i)
-        dist.barrier()
-        seconds = (time.perf_counter() - start) / steps
-        stats = state.stats()
-        row = dict(link=args.link, workers=world, label=label, hook=hook, params=params,
-                   seconds_per_step=seconds, bytes_per_step=stats["bytes_sent"] / steps,
-                   byte_ratio=stats["compression_ratio"], hook_seconds_per_step=stats["seconds"] / steps,
-                   parameters=sum(p.numel() for p in model.parameters()))
-        if args.loss_steps:
-            with torch.no_grad():
-                row["eval_loss"] = model.module(input_ids=eval_rows["input_ids"], labels=eval_rows["labels"]).loss.item()
-            row["steps"] = steps + warmup
-        rows.append(row)
+    def log(row: dict, text: str) -> None:
         if rank == 0:
-            extra = f" eval {row['eval_loss']:.3f}" if "eval_loss" in row else ""
-            print(f"{args.link:>10} W={world} {label:<28} {seconds * 1e3:7.1f} ms/step "
-                  f"{row['bytes_per_step'] / 1e6:7.3f} MB/step x{row['byte_ratio']:.0f}{extra}", flush=True)
+            print(f"{args.link:>10} W={world} {row['label']:<38} {text}", flush=True)
+
+    rows = []
+    if args.loss_steps:
+        for label, hook, params in methods:
+            method = Method(hook, params, tokenizer, shard, args)
+            method.step(0)  # bucket rebuild
+            method.reset_stats()
+            seconds, other = method.timed(1, args.loss_steps)
+            with torch.no_grad():
+                loss = method.model.module(input_ids=eval_rows["input_ids"], labels=eval_rows["labels"]).loss.item()
+            row = dict(link=args.link, workers=world, label=label, hook=hook, params=params,
+                       steps=args.loss_steps + 1, eval_loss=loss, seconds_per_step=seconds, other_cpu_share=other,
+                       parameters=method.parameters, **method.stats(args.loss_steps, world))
+            rows.append(row)
+            log(row, f"eval {loss:.3f}  x{row['byte_ratio']:.0f} over the run  {seconds * 1e3:.0f} ms/step")
+    else:
+        by_label = {}
+        for k in range(args.repeats):
+            for index in round_order(len(methods), k, args.repeats):
+                label, hook, params = methods[index]
+                params = timed_params(hook, params)
+                method = Method(hook, params, tokenizer, shard, args)
+                for i in range(TIMED_WARMUP):
+                    method.step(i)
+                seconds, other, attempts = method.measure(TIMED_WARMUP, args.steps, args)
+                stats = method.stats(args.steps, world)
+                row = by_label.setdefault(label, dict(
+                    link=args.link, workers=world, label=label, hook=hook, params=params, steps=args.steps,
+                    parameters=method.parameters, seconds_per_step=[], hook_seconds_per_step=[], bytes_per_step=[],
+                    byte_ratio=[], other_cpu_share=[], attempts=[], position=[]))
+                row["seconds_per_step"].append(seconds)
+                row["hook_seconds_per_step"].append(stats["hook_seconds_per_step"])
+                row["bytes_per_step"].append(stats["bytes_per_step"])
+                row["byte_ratio"].append(stats["byte_ratio"])
+                row["other_cpu_share"].append(other)
+                row["attempts"].append(attempts)
+                row["position"].append(round_order(len(methods), k, args.repeats).index(index))
+                log(row, f"round {k}: {seconds * 1e3:7.1f} ms/step {stats['bytes_per_step'] / 1e6:7.3f} MB/step "
+                         f"x{stats['byte_ratio']:.0f}  other CPU {100 * other:.0f}%")
+        rows = [by_label[label] for label, _, _ in methods]
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
