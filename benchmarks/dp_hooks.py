@@ -135,8 +135,7 @@ def write(rows: list[dict], args) -> None:
         "",
     ]
     if getattr(args, "merged", None):
-        lines += ["Parts of this file measured again later (same code and settings; the rest is from the first run): "
-                  + "; ".join(args.merged) + ".", ""]
+        lines += ["Measured in parts (same settings): " + "; ".join(args.merged) + ".", ""]
     for workers in args.workers:
         lines += [f"### {workers} workers", "",
                   "| method | byte ratio | MB/step/worker | hook ms/step, loopback | step ms, loopback | speed-up vs "
@@ -177,6 +176,7 @@ def main(argv=None) -> None:
                    help="replace only the parts measured now in the saved .json (same settings), keep the rest")
     p.add_argument("--rewrite", action="store_true", help="only rewrite the .md (and summary) from the .json rows")
     args = p.parse_args(argv)
+    started = time.gmtime()
     saved_path = os.path.join(RESULTS, "dp_hooks.json")
     if args.rewrite:
         with open(saved_path) as f:
@@ -204,10 +204,13 @@ def main(argv=None) -> None:
         if any(saved["args"][k] != vars(args)[k] for k in keep):
             raise SystemExit(f"--merge needs the saved settings {({k: saved['args'][k] for k in keep})}")
         new = {(r["link"], r["workers"]) for r in rows}
+        kept = sorted({(r["link"], r["workers"]) for r in saved["rows"]} - new, key=str)
         rows = [r for r in saved["rows"] if (r["link"], r["workers"]) not in new] + rows
         merged = saved["args"].get("merged", []) + [
-            f"{link}, {workers} workers: measured again, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-            for link, workers in sorted(new, key=str)]
+            f"{', '.join(f'{link} x {w} workers' for link, w in sorted(new, key=str))}: measured again "
+            f"{time.strftime('%Y-%m-%d %H:%M', started)}-{time.strftime('%H:%M UTC', time.gmtime())}, replacing "
+            f"the earlier run's rows; kept from the earlier run: "
+            f"{', '.join(f'{link} x {w} workers' for link, w in kept) or 'nothing'}"]
         args = argparse.Namespace(**{**vars(args), "merged": merged})
     write(rows, args)
 
