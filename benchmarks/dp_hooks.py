@@ -25,7 +25,7 @@ import subprocess
 import time
 
 from dp_hooks_worker import PEER, TIMED_WARMUP
-from launch import run_workers
+from launch import median, ratio_spread, run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -72,12 +72,6 @@ class StarNetwork:
             subprocess.run(["ip", "netns", "del", ns], check=False)
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def summarize(rows: list[dict], args) -> list[dict]:
     """One summary per (workers, method): medians and min-max of the timed rounds, speed-ups
     against the peer (DDP with no hook) on the same link, the loss run's eval loss."""
@@ -95,9 +89,7 @@ def summarize(rows: list[dict], args) -> list[dict]:
                 mine, peer = timed[link][label]["seconds_per_step"], timed[link][PEER]["seconds_per_step"]
                 s[f"step_ms_{key}"] = 1e3 * median(mine)
                 s[f"step_ms_{key}_min"], s[f"step_ms_{key}_max"] = 1e3 * min(mine), 1e3 * max(mine)
-                s[f"speedup_{key}"] = median(peer) / median(mine)
-                # the ratio's range: the peer's fastest round against our slowest, and the reverse
-                s[f"speedup_{key}_min"], s[f"speedup_{key}_max"] = min(peer) / max(mine), max(peer) / min(mine)
+                s[f"speedup_{key}"], s[f"speedup_{key}_min"], s[f"speedup_{key}_max"] = ratio_spread(peer, mine)
             if label in loss:
                 s.update(eval_loss=loss[label]["eval_loss"], loss_run_byte_ratio=loss[label]["byte_ratio"],
                          loss_params=loss[label]["params"])

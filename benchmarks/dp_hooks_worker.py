@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from launch import busy_cpu_seconds, round_order, wait_until_quiet
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM, GPT2Config
 
@@ -54,19 +55,6 @@ def timed_params(hook: str | None, params: dict) -> dict:
     if hook == "powersgd":
         return {**params, "start_powerSGD_iter": 2}
     return params
-
-
-def round_order(n: int, k: int, repeats: int) -> list[int]:
-    start = k * n // repeats
-    order = [(start + i) % n for i in range(n)]
-    return order[::-1] if k % 2 else order
-
-
-def busy_cpu_seconds() -> float:
-    """CPU seconds the whole machine has spent busy (/proc/stat)."""
-    with open("/proc/stat") as f:
-        user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in f.readline().split()[1:8])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 class Method:
@@ -112,13 +100,13 @@ class Method:
         CPUs that other processes used meanwhile (rank 0's busy CPU time minus all our ranks' own;
         every rank computes the same number)."""
         dist.barrier()
-        busy, own = busy_cpu_seconds(), time.process_time()
+        busy, own = busy_cpu_seconds()[0], time.process_time()
         start = time.perf_counter()
         for i in range(first, first + steps):
             self.step(i)
         dist.barrier()
         wall = time.perf_counter() - start
-        mine = (busy_cpu_seconds() - busy, time.process_time() - own, wall)
+        mine = (busy_cpu_seconds()[0] - busy, time.process_time() - own, wall)
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, mine)
         busy, _, wall = per_rank[0]
@@ -138,17 +126,6 @@ class Method:
                 wait_until_quiet(args.max_other_cpu)
             dist.barrier()
         raise AssertionError("unreachable")
-
-
-def wait_until_quiet(limit: float, period: float = 3.0, longest: float = 600.0) -> None:
-    """Sleep until the machine's CPUs were busy at most `limit` over `period` seconds (our own
-    ranks are idle meanwhile), or `longest` seconds have passed."""
-    deadline = time.monotonic() + longest
-    while time.monotonic() < deadline:
-        busy = busy_cpu_seconds()
-        time.sleep(period)
-        if (busy_cpu_seconds() - busy) / (os.cpu_count() * period) <= limit:
-            return
 
 
 def main() -> None:

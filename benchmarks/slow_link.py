@@ -15,9 +15,8 @@ steps are checked against the tx counters of the two veth ends (a warning beyond
     sudo .venv/bin/python benchmarks/slow_link.py --rates 100 --steps 3 --models small
 
 Writes benchmarks/results/slow_link.{json,md} (`--name` another file; `--merge` keeps the saved
-rows of links not measured again). benchmarks/results/slow_link_repeat.* is a second run of some
-links, for the run-to-run spread: `--name slow_link_repeat --rates 100 --no_loopback --models
-tied untied`, then `--name slow_link_repeat --merge --models small --rates 500`.
+rows of links not measured again). Every link runs `--repeats` rounds (at least 3), each in
+another order; the tables give the median and the range over the rounds.
 Rows measured while other processes used more than 10% of the CPUs are measured again.
 
 "Allowed" speed-up: the best a method could do given its byte ratio and its own compute floor
@@ -35,7 +34,7 @@ import signal
 import subprocess
 import sys
 
-from launch import run_workers
+from launch import median, ratio_spread, run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -44,6 +43,10 @@ PEERS = ("torch.distributed.pipelining", "torch.distributed.pipelining + all-red
 BASE = "ours, uncompressed"
 LINK_TOLERANCE = 0.05  # counted bytes vs the veth counters
 HEADER_BYTES = 66  # per packet on the veth: Ethernet 14 + IPv4 20 + TCP 20 + 12 of timestamps
+# The convergence run's name of each method's setting (benchmarks/convergence.py).
+CONVERGENCE_SETTING = {"ours, uncompressed": "none", "ours, AQ-SGD fw4/bw8": "aqsgd fw4/bw8",
+                       "ours, AQ-SGD fw2/bw4": "aqsgd fw2/bw4", "ours, TopK 10% + EF": "topk 10% + EF"}
+NO_LEARNING_MARGIN = 1.0  # nats above uncompressed's eval loss: marked "does not learn"
 
 
 def sh(*cmd: str) -> None:
@@ -86,9 +89,37 @@ def run_pair(link: str, worker_args: list[str], namespaces: LinkedNamespaces | N
     return run_workers(WORKER, 2, link, worker_args, namespaces, port, timeout)["rows"]
 
 
+def collapse(r: dict) -> dict:
+    """One row from its rounds: median seconds per step and the range, the median round's
+    waiting, bytes (the same every round) and the veth window summed over the rounds."""
+    rounds = r.setdefault("rounds", [{k: v for k, v in r.items() if k != "rounds"}])  # one-run results files
+    seconds = [x["seconds_per_step"] for x in rounds]
+    mid = sorted(rounds, key=lambda x: x["seconds_per_step"])[(len(rounds) - 1) // 2]
+    r.update(seconds_per_step=median(seconds), seconds_min=min(seconds), seconds_max=max(seconds),
+             steps=mid["steps"], bytes_per_step=mid["bytes_per_step"], byte_ratio=mid["byte_ratio"],
+             categories=mid["categories"], waiting_fraction=mid["waiting_fraction"],
+             other_cpu_share=max(x["other_cpu_share"] for x in rounds),
+             attempts=[x.get("attempts", 1) for x in rounds],
+             counted_bytes_window=sum(x["counted_bytes_window"] for x in rounds))
+    first = rounds[0]  # one-run results files have no tokens_per_step
+    tokens = r.get("tokens_per_step") or round(first["tokens_per_s"] * first["seconds_per_step"])
+    r["tokens_per_s"] = tokens / r["seconds_per_step"]
+    windows = [(x["link_tx_bytes_window"], x["link_tx_packets_window"]) for x in rounds]
+    r["link_tx_bytes_window"] = r["link_tx_packets_window"] = None
+    if all(b is not None for b, _ in windows):
+        r["link_tx_bytes_window"] = sum(b for b, _ in windows)
+        r["link_tx_packets_window"] = sum(n for _, n in windows)
+    return r
+
+
+def seconds(r: dict) -> list[float]:
+    return [x["seconds_per_step"] for x in r["rounds"]]
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """Speed-ups over the peer, the share of the speed-up the byte ratio allows, tied vs untied,
-    and counted vs interface bytes. Rows are compared within one link and one model.
+    and counted vs interface bytes. Rows are compared within one link and one model. Every
+    ratio is the ratio of the medians over the rounds, with its range (`ratio_spread`).
 
     Allowed speed-up of a method on a link, with perfect overlap of compute and communication:
     its step cannot take less than the uncompressed step's time divided by the byte ratio (the
@@ -99,7 +130,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     groups: dict[tuple[str, str], dict[str, dict]] = {}
     for r in rows:
         r.setdefault("model", "vocab 1024, untied")  # results written before models were named
-        groups.setdefault((r["link"], r["model"]), {})[r["method"]] = r
+        groups.setdefault((r["link"], r["model"]), {})[r["method"]] = collapse(r)
     for (_, model), methods in groups.items():
         loopback = groups.get(("loopback", model), {})
         peer = next((methods[p] for p in PEERS if p in methods), None)
@@ -107,8 +138,10 @@ def summarize(rows: list[dict]) -> list[dict]:
         t_base = base["seconds_per_step"] if base else None
         t_loop_base = loopback[BASE]["seconds_per_step"] if BASE in loopback else 0.0
         for name, r in methods.items():
-            r["speedup_vs_peer"] = peer["seconds_per_step"] / r["seconds_per_step"] if peer else None
-            r["speedup_vs_uncompressed"] = t_base / r["seconds_per_step"] if base else None
+            r["speedup_vs_peer"], r["speedup_vs_peer_min"], r["speedup_vs_peer_max"] = (
+                ratio_spread(seconds(peer), seconds(r)) if peer else (None, None, None))
+            r["speedup_vs_uncompressed"], r["speedup_vs_uncompressed_min"], r["speedup_vs_uncompressed_max"] = (
+                ratio_spread(seconds(base), seconds(r)) if base else (None, None, None))
             if base:
                 floor = loopback[name]["seconds_per_step"] if name in loopback else 0.0
                 r["allowed_speedup"] = max(t_base / max(t_base / r["byte_ratio"], floor), 1.0)
@@ -132,12 +165,31 @@ def summarize(rows: list[dict]) -> list[dict]:
         for name, r in methods.items():
             if name in untied:
                 r["untied_seconds_per_step"] = untied[name]["seconds_per_step"]
-                r["tied_over_untied"] = r["seconds_per_step"] / untied[name]["seconds_per_step"]
+                r["tied_over_untied"], r["tied_over_untied_min"], r["tied_over_untied_max"] = ratio_spread(
+                    seconds(r), seconds(untied[name]))
     return rows
+
+
+def convergence_losses() -> dict[str, float]:
+    """Each method's eval loss in the convergence run (benchmarks/results/convergence.json), so
+    that a speed-up is never read without knowing whether the setting learns."""
+    path = os.path.join(RESULTS, "convergence.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        by_setting = {r["setting"]: r["eval_loss_uncompressed"] for r in json.load(f)["rows"]}
+    return {method: by_setting[setting] for method, setting in CONVERGENCE_SETTING.items() if setting in by_setting}
 
 
 def _f(value, fmt: str, suffix: str = "") -> str:
     return "" if value is None else f"{value:{fmt}}{suffix}"
+
+
+def spread(r: dict, key: str) -> str:
+    """`median x [min-max]` of a ratio, or empty."""
+    if r.get(key) is None:
+        return ""
+    return f"{r[key]:.2f}x [{r[key + '_min']:.2f}-{r[key + '_max']:.2f}]"
 
 
 def _mb(r: dict, category: str) -> str:
@@ -153,7 +205,7 @@ def write(rows: list[dict], args) -> None:
     lines = [
         f"GPT-2 style, {args.layers} layers x hidden {args.hidden}; 2 stages in 2 network namespaces joined by a "
         f"tc-shaped veth pair (or loopback); batch {args.batch_size} x {args.seq_len} tokens in "
-        f"{args.micro_batches} micro-batches, 1F1B; 1 CPU thread per stage; mean of {args.steps} steps "
+        f"{args.micro_batches} micro-batches, 1F1B; 1 CPU thread per stage; each round: mean of {args.steps} steps "
         f"(real-vocabulary models: {args.large_steps}) after {args.warmup} warm-up steps (AQ-SGD's uncompressed "
         "first visits happen in the warm-up). Tokens are uniform over the vocabulary. During the measured steps, "
         "other processes used at most "
@@ -175,20 +227,35 @@ def write(rows: list[dict], args) -> None:
                          "(vocab x hidden) that a user has to write by hand.")
         else:
             lines.append(f"- **{model}**: untied (`tie_word_embeddings=False`), no tie traffic.")
+    losses = convergence_losses()
     lines += [
         "",
-        "| link | model | method | tokens/s | s/step | MB/step | byte ratio | speed-up vs peer | "
-        "vs ours uncompressed | allowed by bytes | share of allowed | uncompressed step: waiting / added by the link |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"Each (model, method) ran in {args.repeats} rounds per link; round k starts at method k*n/{args.repeats} "
+        "of its model and runs backwards on odd rounds, every run from a fresh model with its own warm-up. "
+        "s/step and tokens/s: median over the rounds [fastest-slowest]. Speed-ups: ratio of the medians "
+        "[the other method's fastest round over this one's slowest, and the reverse]. Eval loss: the same setting "
+        "in the from-scratch convergence run (benchmarks/results/convergence.md; uncompressed "
+        f"{_f(losses.get(BASE), '.3f')}); a setting {NO_LEARNING_MARGIN:.0f} nat or more above uncompressed is "
+        "marked: it does not learn, and its speed-up buys nothing.",
+        "",
+        "| link | model | method | tokens/s | s/step [min-max] | MB/step | byte ratio | speed-up vs peer | "
+        "vs ours uncompressed | allowed by bytes | share of allowed | uncompressed step: waiting / added by the "
+        "link | eval loss, convergence run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         wait = ("" if r.get("uncompressed_waiting_fraction") is None else
                 f"{100 * r['uncompressed_waiting_fraction']:.0f}% / {100 * r['link_fraction']:.0f}%")
+        loss = losses.get(r["method"])
+        learns = ("" if loss is None or BASE not in losses else
+                  " (does not learn)" if loss - losses[BASE] >= NO_LEARNING_MARGIN else "")
         lines.append(
-            f"| {r['link']} | {r['model']} | {r['method']} | {r['tokens_per_s']:.0f} | {r['seconds_per_step']:.3f} | "
-            f"{r['bytes_per_step'] / 1e6:.2f} | {r['byte_ratio']:.1f}x | {_f(r['speedup_vs_peer'], '.2f', 'x')} | "
-            f"{_f(r['speedup_vs_uncompressed'], '.2f', 'x')} | {_f(r.get('allowed_speedup'), '.2f', 'x')} | "
-            f"{_f(r.get('share_of_allowed') and 100 * r['share_of_allowed'], '.0f', '%')} | {wait} |")
+            f"| {r['link']} | {r['model']} | {r['method']} | {r['tokens_per_s']:.0f} | "
+            f"{r['seconds_per_step']:.3f} [{r['seconds_min']:.3f}-{r['seconds_max']:.3f}] | "
+            f"{r['bytes_per_step'] / 1e6:.2f} | {r['byte_ratio']:.1f}x | {spread(r, 'speedup_vs_peer')} | "
+            f"{spread(r, 'speedup_vs_uncompressed')} | {_f(r.get('allowed_speedup'), '.2f', 'x')} | "
+            f"{_f(r.get('share_of_allowed') and 100 * r['share_of_allowed'], '.0f', '%')} | {wait} | "
+            f"{_f(loss, '.3f')}{learns} |")
 
     tied_rows = [r for r in rows if r.get("tied_over_untied") is not None]
     if tied_rows:
@@ -198,12 +265,12 @@ def write(rows: list[dict], args) -> None:
             "distinct tokens x hidden x 4 bytes per step, lossless, sent before the forward and after the backward "
             "(not overlapped with compute).",
             "",
-            "| link | method | untied s/step | tied s/step | tied / untied | tie MB/step |",
+            "| link | method | untied s/step (median) | tied s/step (median) | tied / untied [range] | tie MB/step |",
             "|---|---|---|---|---|---|",
         ]
         for r in tied_rows:
             lines.append(f"| {r['link']} | {r['method']} | {r['untied_seconds_per_step']:.3f} | "
-                         f"{r['seconds_per_step']:.3f} | {r['tied_over_untied']:.2f}x | {_mb(r, 'tie')} |")
+                         f"{r['seconds_per_step']:.3f} | {spread(r, 'tied_over_untied')} | {_mb(r, 'tie')} |")
 
     categories = ["activations", "activation_gradients", "tie", "collectives", "data_parallel"]
     link0 = next((r["link"] for r in rows if r["link"] != "loopback"), rows[0]["link"])
@@ -272,13 +339,16 @@ def main(argv=None) -> None:
     p.add_argument("--max_other_cpu", type=float, default=0.1,
                    help="measure a row again when other processes used more than this share of the CPUs")
     p.add_argument("--retries", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="rounds per link, each in another order (at least 3)")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--name", default="slow_link", help="results file name in benchmarks/results/ (.json, .md)")
     p.add_argument("--merge", action="store_true",
-                   help="keep the rows of benchmarks/results/slow_link.json for the links this run does not measure")
+                   help="keep the saved rows of the (link, model) pairs this run does not measure")
     p.add_argument("--summarize_only", action="store_true",
                    help="recompute the table from benchmarks/results/slow_link.json without running")
     args = p.parse_args(argv)
+    if args.repeats < 3 and not args.summarize_only:
+        p.error("--repeats must be at least 3 (median and spread)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the namespaces are removed
     if args.summarize_only:
         with open(os.path.join(RESULTS, f"{args.name}.json")) as f:
@@ -288,7 +358,7 @@ def main(argv=None) -> None:
         return
     worker_args = [f"--{k}={getattr(args, k)}" for k in
                    ("steps", "large_steps", "warmup", "batch_size", "micro_batches", "seq_len", "hidden", "layers",
-                    "vocab", "large_vocab", "max_other_cpu", "retries")]
+                    "vocab", "large_vocab", "max_other_cpu", "retries", "repeats")]
     worker_args += ["--models", *args.models]
     rows = []
     port = 29600 + os.getpid() % 1000
@@ -302,8 +372,8 @@ def main(argv=None) -> None:
     if args.merge:
         with open(os.path.join(RESULTS, f"{args.name}.json")) as f:
             saved = json.load(f)["rows"]
-        measured = {r["link"] for r in rows}
-        rows = [r for r in saved if r["link"] not in measured] + rows
+        measured = {(r["link"], r["model"]) for r in rows}
+        rows = [r for r in saved if (r["link"], r["model"]) not in measured] + rows
         rows.sort(key=lambda r: -1 if r["link"] == "loopback" else int(r["link"].split()[0]))  # stable
         args.rates = sorted({int(r["link"].split()[0]) for r in rows if r["link"] != "loopback"})
         args.no_loopback = not any(r["link"] == "loopback" for r in rows)

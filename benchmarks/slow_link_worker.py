@@ -19,7 +19,9 @@ tied gradient between the first and the last stage after every step.
 On a shaped link (each rank alone in a network namespace, `GLOO_SOCKET_IFNAME` its veth end),
 each rank also reads its veth tx byte counter just before and just after the measured steps, so
 the bytes the run counted can be checked against the bytes the interface really sent.
-Rank 0 writes a JSON list of rows.
+`--repeats` rounds: round k runs each model's methods starting at method k*n/repeats,
+backwards on odd rounds (benchmarks/launch.py `round_order`), every run from a fresh model
+with its own warm-up. Rank 0 writes one row per (model, method) with the rounds' results.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from launch import busy_cpu_seconds, round_order, wait_until_quiet
 from transformers import AutoModelForCausalLM, GPT2Config
 
 import hf_actcomp
@@ -192,14 +195,6 @@ def tx_counters() -> tuple[int, int] | None:
     raise RuntimeError(f"{dev} not in /proc/net/dev")
 
 
-def busy_cpu_seconds() -> tuple[float, float]:
-    """CPU seconds the whole machine has spent busy, and stolen by the hypervisor (/proc/stat)."""
-    with open("/proc/stat") as f:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
-    hz = os.sysconf("SC_CLK_TCK")
-    return (user + nice + system + irq + softirq) / hz, steal / hz
-
-
 def timed(step, steps: int) -> tuple[float, dict]:
     """Seconds per step, the veth tx bytes and packets of both ranks over the measured steps,
     and the share of the machine's CPUs that other processes used meanwhile (a timing taken
@@ -257,17 +252,6 @@ def measure(step, steps: int, args, reset=None) -> tuple[float, dict]:
     raise AssertionError("unreachable")
 
 
-def wait_until_quiet(limit: float, period: float = 3.0, longest: float = 600.0) -> None:
-    """Sleep until the machine's CPUs were busy at most `limit` over `period` seconds (our own
-    ranks are idle meanwhile), or `longest` seconds have passed."""
-    deadline = time.monotonic() + longest
-    while time.monotonic() < deadline:
-        busy, _ = busy_cpu_seconds()
-        time.sleep(period)
-        if (busy_cpu_seconds()[0] - busy) / (os.cpu_count() * period) <= limit:
-            return
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -286,27 +270,34 @@ def main() -> None:
     p.add_argument("--max_other_cpu", type=float, default=0.1,
                    help="measure again when other processes used more than this share of the CPUs")
     p.add_argument("--retries", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="rounds, each running the methods in another order")
     args = p.parse_args()
     args.num_samples = args.batch_size * args.warmup
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rows = []
+    rows = {}
     tokens = args.batch_size * args.seq_len
-    for key in args.models:
-        spec = model_spec(key, args)
-        distinct = distinct_tokens(spec, args)
-        for name in RUNS[key]:
-            result = run_peer(name, spec, args) if name in (PEER, PEER_TIED) else run_ours(name, spec, args)
-            rows.append(dict(link=args.link, model=spec["model"], vocab=spec["vocab"], tied=spec["tied"],
-                             tie=list(TIE) if spec["tied"] else None, distinct_tokens_per_batch=distinct,
-                             method=name, tokens_per_s=tokens / result["seconds_per_step"], **result))
-            if dist.get_rank() == 0:
-                link = result["link_tx_bytes_window"]
-                check = "" if link is None else f"  veth/counted {link / result['counted_bytes_window']:.3f}"
-                print(f"{args.link:>10} {spec['model']:<20} {name:<60} {rows[-1]['tokens_per_s']:8.0f} tok/s "
-                      f"{result['bytes_per_step'] / 1e6:7.2f} MB/step{check}  "
-                      f"other CPU {100 * result['other_cpu_share']:.0f}%",
-                      flush=True)
+    specs = {key: model_spec(key, args) for key in args.models}
+    distinct = {key: distinct_tokens(spec, args) for key, spec in specs.items()}
+    for k in range(args.repeats):
+        for key, spec in specs.items():
+            names = RUNS[key]
+            order = round_order(len(names), k, args.repeats)
+            for index in order:
+                name = names[index]
+                result = run_peer(name, spec, args) if name in (PEER, PEER_TIED) else run_ours(name, spec, args)
+                row = rows.setdefault((key, name), dict(
+                    link=args.link, model=spec["model"], vocab=spec["vocab"], tied=spec["tied"],
+                    tie=list(TIE) if spec["tied"] else None, distinct_tokens_per_batch=distinct[key], method=name,
+                    tokens_per_step=tokens, rounds=[]))
+                row["rounds"].append(dict(result, position=order.index(index)))
+                if dist.get_rank() == 0:
+                    link = result["link_tx_bytes_window"]
+                    check = "" if link is None else f"  veth/counted {link / result['counted_bytes_window']:.3f}"
+                    print(f"{args.link:>10} round {k} {spec['model']:<20} {name:<60} "
+                          f"{tokens / result['seconds_per_step']:8.0f} tok/s {result['bytes_per_step'] / 1e6:7.2f} "
+                          f"MB/step{check}  other CPU {100 * result['other_cpu_share']:.0f}%", flush=True)
+    rows = [rows[(key, name)] for key in args.models for name in RUNS[key]]
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
