@@ -185,6 +185,11 @@ def _f(value, fmt: str, suffix: str = "") -> str:
     return "" if value is None else f"{value:{fmt}}{suffix}"
 
 
+def table(intro: str, columns: list[str]) -> list[str]:
+    """A blank line, the table's introduction, and the header of a markdown table."""
+    return ["", intro, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def spread(r: dict, key: str) -> str:
     """`median x [min-max]` of a ratio, or empty."""
     if r.get(key) is None:
@@ -228,8 +233,7 @@ def write(rows: list[dict], args) -> None:
         else:
             lines.append(f"- **{model}**: untied (`tie_word_embeddings=False`), no tie traffic.")
     losses = convergence_losses()
-    lines += [
-        "",
+    lines += table(
         f"Each (model, method) ran in {args.repeats} rounds per link; round k starts at method k*n/{args.repeats} "
         "of its model and runs backwards on odd rounds, every run from a fresh model with its own warm-up. "
         "s/step and tokens/s: median over the rounds [fastest-slowest]. Speed-ups: ratio of the medians "
@@ -237,12 +241,9 @@ def write(rows: list[dict], args) -> None:
         "in the from-scratch convergence run (benchmarks/results/convergence.md; uncompressed "
         f"{_f(losses.get(BASE), '.3f')}); a setting {NO_LEARNING_MARGIN:.0f} nat or more above uncompressed is "
         "marked: it does not learn, and its speed-up buys nothing.",
-        "",
-        "| link | model | method | tokens/s | s/step [min-max] | MB/step | byte ratio | speed-up vs peer | "
-        "vs ours uncompressed | allowed by bytes | share of allowed | uncompressed step: waiting / added by the "
-        "link | eval loss, convergence run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        ["link", "model", "method", "tokens/s", "s/step [min-max]", "MB/step", "byte ratio", "speed-up vs peer",
+         "vs ours uncompressed", "allowed by bytes", "share of allowed",
+         "uncompressed step: waiting / added by the link", "eval loss, convergence run"])
     for r in rows:
         wait = ("" if r.get("uncompressed_waiting_fraction") is None else
                 f"{100 * r['uncompressed_waiting_fraction']:.0f}% / {100 * r['link_fraction']:.0f}%")
@@ -259,15 +260,12 @@ def write(rows: list[dict], args) -> None:
 
     tied_rows = [r for r in rows if r.get("tied_over_untied") is not None]
     if tied_rows:
-        lines += [
-            "",
+        lines += table(
             "Tied vs untied, same real-vocabulary model, same link, same minute. The tie exchange is 2 x "
             "distinct tokens x hidden x 4 bytes per step, lossless, sent before the forward and after the backward "
             "(not overlapped with compute).",
-            "",
-            "| link | method | untied s/step (median) | tied s/step (median) | tied / untied [range] | tie MB/step |",
-            "|---|---|---|---|---|---|",
-        ]
+            ["link", "method", "untied s/step (median)", "tied s/step (median)", "tied / untied [range]",
+             "tie MB/step"])
         for r in tied_rows:
             lines.append(f"| {r['link']} | {r['method']} | {r['untied_seconds_per_step']:.3f} | "
                          f"{r['seconds_per_step']:.3f} | {spread(r, 'tied_over_untied')} | {_mb(r, 'tie')} |")
@@ -276,16 +274,12 @@ def write(rows: list[dict], args) -> None:
     link0 = next((r["link"] for r in rows if r["link"] != "loopback"), rows[0]["link"])
     same = all(r["categories"] == s["categories"] for r in rows for s in rows
                if (r["model"], r["method"]) == (s["model"], s["method"]))
-    lines += [
-        "",
+    lines += table(
         f"MB per step by category, summed over both ranks (from `pipe.stats(gather=True)['categories']` for ours, "
         f"the tensor sizes for the peer), on {link0}"
         + (" (the same on every link)." if same else "; other links differ, see slow_link.json.")
         + " Collectives (loss broadcast) are counted with the ring formulas.",
-        "",
-        "| model | method | activations | activation gradients | tie | collectives | data parallel | total |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+        ["model", "method", "activations", "activation gradients", "tie", "collectives", "data parallel", "total"])
     for r in rows:
         if r["link"] == link0:
             lines.append(f"| {r['model']} | {r['method']} | " + " | ".join(_mb(r, c) for c in categories)
@@ -293,8 +287,7 @@ def write(rows: list[dict], args) -> None:
 
     checked = [r for r in rows if r.get("link_over_counted") is not None]
     if checked:
-        lines += [
-            "",
+        lines += table(
             "Counted bytes vs the veth interfaces: the bytes the run counted over the measured steps (sum over "
             "both ranks; for the peer, the tensor sizes), and the tx bytes and packets of both veth ends over the "
             "same window (read in each namespace, as `ip -n NS -s link show DEV`). The interfaces also carry "
@@ -302,11 +295,8 @@ def write(rows: list[dict], args) -> None:
             "acknowledgements, so the raw tx bytes are a few percent more than the payload; without the headers, "
             "what remains is gloo's message headers and two barriers. A payload more than "
             f"{100 * LINK_TOLERANCE:.0f}% off the counted bytes prints a warning.",
-            "",
-            "| link | model | method | counted MB | veth tx MB | veth / counted | veth packets | "
-            f"veth tx MB - {HEADER_BYTES} B/packet | payload / counted |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
+            ["link", "model", "method", "counted MB", "veth tx MB", "veth / counted", "veth packets",
+             f"veth tx MB - {HEADER_BYTES} B/packet", "payload / counted"])
         for r in checked:
             payload = r["link_tx_bytes_window"] - HEADER_BYTES * r["link_tx_packets_window"]
             flag = " (off by > 5%)" if abs(r["link_payload_over_counted"] - 1) > LINK_TOLERANCE else ""
