@@ -7,10 +7,12 @@ from .models import get_adapter, register_adapter, supported_model_types
 from .pipeline import PeerTimeoutError, Pipeline, StepOutput, prepare
 from .plan import Compression, MemoryConfig, Plan
 from .simulate import SimulatedPipeline, simulate
+from .trainer import ActCompTrainer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActCompTrainer",
     "CompressedInference",
     "Compression",
     "MemoryConfig",

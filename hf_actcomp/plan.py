@@ -241,10 +241,15 @@ class Plan:
                 "Plan.backward.method='aqsgd' is not supported: AQ-SGD compresses activations; "
                 "gradients are quantized directly. Use method='quantize' for backward."
             )
+
+    def check_memory(self) -> None:
+        """Fail before training when AQ-SGD's memory size is unknown (`ActCompTrainer` fills it
+        from the training set; `simulate` and `prepare` need it set)."""
         if self.forward.method == "aqsgd" and self.memory.num_samples is None:
             raise ValueError(
-                "Plan.forward.method='aqsgd' needs memory.num_samples (len(train_dataset)): "
-                "AQ-SGD keeps one activation per training sample."
+                "Plan.forward.method='aqsgd' needs memory.num_samples (len(train_dataset)): AQ-SGD keeps one "
+                "activation per training sample. Set MemoryConfig(num_samples=len(train_dataset)), or train "
+                "with hf_actcomp.ActCompTrainer, which fills it from train_dataset."
             )
 
     # ----------------------------------------------------------------------------- stages

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from . import checkpoint
 from .boundary import Boundary, prefixed, unprefixed
 from .models import get_adapter
 from .models.split import stage_ranges
@@ -158,6 +159,18 @@ class SimulatedPipeline(nn.Module):
         for name, b in self.boundaries.items():
             b.load_state_dict(unprefixed(state, name))
 
+    def save_compression_state(self, directory: str) -> None:
+        """Write every boundary's state to `directory` (safetensors, as rank 0 of a pipeline)."""
+        checkpoint.save_state(directory, 0, self.compression_state_dict(), self._state_metadata())
+
+    def load_compression_state(self, directory: str) -> None:
+        """Read state written by `save_compression_state` under the same plan."""
+        self.load_compression_state_dict(checkpoint.load_state(directory, 0, self._state_metadata()))
+
+    def _state_metadata(self) -> dict:
+        return {"plan": self.plan.to_dict(), "world_size": 1, "stage": "all",
+                "blocks": [[r.start, r.stop] for r in self.ranges]}
+
 
 def simulate(model: nn.Module, plan: Plan) -> SimulatedPipeline:
     """Wrap `model` so that training and evaluation go through the plan's compressed boundaries.
@@ -166,4 +179,5 @@ def simulate(model: nn.Module, plan: Plan) -> SimulatedPipeline:
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a hf_actcomp.Plan, got {type(plan).__name__}.")
+    plan.check_memory()
     return SimulatedPipeline(model, plan)

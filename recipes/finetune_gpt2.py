@@ -34,7 +34,12 @@ DEFAULT_PLAN = os.path.join(HERE, "configs", "plan_aqsgd_fw4_bw8.yaml")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return build_parser(__doc__).parse_args(argv)
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """The model, data, plan and optimisation flags (shared with `finetune_trainer.py`)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="offline-gpt2",
                    help="'offline-gpt2' (a small random-init GPT-2, no download) or a model name/path for from_pretrained")
     p.add_argument("--dataset", default="offline",
@@ -62,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="outputs/finetune_gpt2")
     p.add_argument("--report_to", default=None, help="an Accelerate tracker (tensorboard, wandb, ...)")
-    return p.parse_args(argv)
+    return p
 
 
 def parse_compression(spec: str) -> dict:

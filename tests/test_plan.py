@@ -3,7 +3,9 @@ import logging
 
 import pytest
 
+import hf_actcomp
 from hf_actcomp import Compression, MemoryConfig, Plan
+from hf_actcomp.debug import debug_model
 from hf_actcomp.plan import CONFIG_NAME, FORMAT_VERSION
 
 
@@ -84,7 +86,6 @@ def test_compression_validation(kwargs, message):
         (dict(num_stages=3, split_points=[2, 2]), "strictly increasing"),
         (dict(num_stages=2, split_points=[0]), "positive integers"),
         (dict(backward=Compression("aqsgd", bits=4)), "backward.method='aqsgd' is not supported"),
-        (dict(forward=Compression("aqsgd", bits=4)), "needs memory.num_samples"),
         (dict(memory={"store": "disk"}), "store='disk' is not valid. Allowed values: device, host, mmap"),
         (dict(memory={"dtype": "int4"}), "Allowed values: fp32, fp16, bf16, int8"),
     ],
@@ -92,6 +93,14 @@ def test_compression_validation(kwargs, message):
 def test_plan_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Plan(**kwargs)
+
+
+def test_aqsgd_memory_size_checked_before_training():
+    plan = Plan(forward=Compression("aqsgd", bits=4))  # ActCompTrainer fills num_samples later
+    with pytest.raises(ValueError, match="needs memory.num_samples"):
+        plan.check_memory()
+    with pytest.raises(ValueError, match="needs memory.num_samples"):
+        hf_actcomp.simulate(debug_model("gpt2"), plan)
 
 
 def test_gpipe_allows_few_micro_batches():

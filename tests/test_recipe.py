@@ -18,10 +18,10 @@ ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 
 
 def launch(args: list[str], config: str = "cpu_2stage.yaml", timeout: int = 300,
-           extra_launch_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+           extra_launch_args: tuple[str, ...] = (), script: str = "finetune_gpt2.py") -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     cmd = [ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "recipes/configs", config),
-           "--main_process_port", str(free_port()), *extra_launch_args, os.path.join(ROOT, "recipes/finetune_gpt2.py"), *args]
+           "--main_process_port", str(free_port()), *extra_launch_args, os.path.join(ROOT, "recipes", script), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -98,3 +98,18 @@ def test_recipe_pipeline_x_data_parallel(tmp_path):
     plan = Plan.from_pretrained(out)
     assert plan.data_parallel == 2 and plan.dp_compression == {"method": "topk", "ratio": 0.1}
     assert sorted(p.name for p in (out / "actcomp_state").glob("*.json")) == [f"rank{r}.json" for r in range(4)]
+
+
+def test_trainer_recipe_with_lora(tmp_path):
+    """`recipes/finetune_trainer.py --lora` on 2 processes: ActCompTrainer, AQ-SGD fw4/bw8, and the
+    adapter (not the model) saved with the plan."""
+    out = tmp_path / "lora"
+    launch(["--output_dir", str(out), "--max_train_samples", "32", "--epochs", "2", "--seq_len", "64",
+            "--batch_size", "8", "--lora", "--logging_steps", "1", "--warmup_steps", "0"], script="finetune_trainer.py")
+    result = json.loads((out / "results.json").read_text())
+    assert result["processes"] == 2 and result["steps"] == 8
+    assert {"adapter_model.safetensors", "adapter_config.json", "actcomp_config.json"} <= set(os.listdir(out))
+    assert "model.safetensors" not in os.listdir(out)
+    assert math.isfinite(result["eval_loss"]) and math.isfinite(result["eval_plain_loss"])
+    assert result["comm/compression_ratio"] > 1.2  # epoch 2 sends 4-bit AQ-SGD deltas
+    assert Plan.from_pretrained(out).memory.num_samples == 32

@@ -6,6 +6,9 @@ Add a family by subclassing `ModelAdapter` and decorating it with `@register_ada
 
 from __future__ import annotations
 
+import sys
+
+from torch import nn
 from transformers import PreTrainedModel
 
 from .base import ModelAdapter, StageModule
@@ -45,8 +48,22 @@ def supported_model_types() -> list[str]:
     return sorted(ADAPTERS)
 
 
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a `peft.PeftModel` (adapter layers injected), else `model`.
+
+    Stages are cut from the inner model, so a stage's parameter names are the transformers names
+    (`transformer.h.0.attn.c_attn.lora_A.default.weight`) whether or not an adapter is attached.
+    """
+    peft = sys.modules.get("peft")  # a PeftModel exists only if peft was imported
+    if peft is not None and isinstance(model, peft.PeftModel):
+        return model.get_base_model()
+    return model
+
+
 def get_adapter(model: PreTrainedModel) -> ModelAdapter:
-    """The adapter for `model` (a causal LM), chosen by `model.config.model_type`."""
+    """The adapter for `model` (a causal LM, or a `peft.PeftModel` of one), chosen by
+    `model.config.model_type`."""
+    model = unwrap_peft(model)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     cls = ADAPTERS.get(model_type) if isinstance(model_type, str) else None
     if cls is None:
@@ -73,4 +90,5 @@ __all__ = [
     "get_adapter",
     "register_adapter",
     "supported_model_types",
+    "unwrap_peft",
 ]

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
 
 from .. import checkpoint
 from ..boundary import prefixed, unprefixed
+from ..models import unwrap_peft
 
 if TYPE_CHECKING:
     from .engine import Pipeline
@@ -67,8 +70,13 @@ def register_for_checkpointing(pipe: Pipeline, accelerator) -> None:
 
 
 def save_pretrained(pipe: Pipeline, save_directory: str | os.PathLike, model: nn.Module | None, **kwargs) -> None:
-    """Gather every stage's parameters on rank 0 and write one Transformers checkpoint."""
-    own = {name: p.detach().cpu() for name, p in pipe.stage.named_parameters()}
+    """Gather every stage's parameters on rank 0 and write one Transformers checkpoint; for a
+    `peft.PeftModel`, gather and write the adapter (trainable) weights only."""
+    model = model if model is not None else pipe.peft_model
+    base = unwrap_peft(model) if model is not None else None
+    adapter_only = base is not model
+    own = {name: p.detach().cpu() for name, p in pipe.stage.named_parameters()
+           if p.requires_grad or not adapter_only}
     parts: list = [None] * pipe.mesh.num_stages
     dist.all_gather_object(parts, own, group=pipe.group)
     if pipe.mesh.rank == 0:  # stage 0 of replica 0: the replicas hold the same weights
@@ -77,14 +85,14 @@ def save_pretrained(pipe: Pipeline, save_directory: str | os.PathLike, model: nn
         full = {}
         for part in parts:
             full.update(part)
-        restore_parameters(model, full)
+        restore_parameters(base, full, require_all=not adapter_only)
         with torch.no_grad():  # a tied weight: the last stage owns the current value
             for later, first in pipe.tied_pairs:
-                if later in parts[-1]:
-                    model.get_parameter(first).copy_(parts[-1][later])
+                if later in parts[-1] and first in full:
+                    base.get_parameter(first).copy_(parts[-1][later])
         model.save_pretrained(save_directory, **kwargs)
         pipe.plan.save_pretrained(save_directory)
-        free_other_parameters(model, pipe.stage)
+        free_other_parameters(base, pipe.stage)
     dist.barrier(group=pipe.group)
 
 
@@ -97,10 +105,57 @@ def free_other_parameters(model: nn.Module, stage: nn.Module) -> None:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
-def restore_parameters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+def restore_parameters(model: nn.Module, tensors: dict[str, torch.Tensor], require_all: bool = True) -> None:
+    """Refill freed parameters from `tensors` (by name); with `require_all`, none may stay empty."""
     for name, p in model.named_parameters():
         if p.numel() == 0 and name in tensors:  # freed here, held by another stage
             p.data = tensors[name].to(p.dtype)
     missing = [n for n, p in model.named_parameters() if p.numel() == 0]
-    if missing:
+    if missing and require_all:
         raise RuntimeError(f"Parameters missing from every stage: {missing[:5]}")
+
+
+def load_stage_weights(pipe: Pipeline, directory: str | os.PathLike) -> None:
+    """Read this stage's weights from a directory written by `save_pretrained` (or by
+    `transformers` / `peft`), tensor by tensor: the full model's safetensors (single file or
+    sharded with an index), or, for a PEFT pipeline, `adapter_model.safetensors` (adapter only)."""
+    directory = os.fspath(directory)
+    params = dict(pipe.stage.named_parameters())
+    if pipe.peft_model is not None:
+        wanted = {name: _peft_key(name, pipe.peft_model.active_adapter) for name, p in params.items() if p.requires_grad}
+        files = dict.fromkeys(wanted.values(), os.path.join(directory, "adapter_model.safetensors"))
+    else:
+        aliases = dict(pipe.tied_pairs)  # a tied head is stored once, under the input embedding's name
+        files = _weight_files(directory)
+        wanted = {name: name if name in files else aliases.get(name, name) for name in params}
+    missing = sorted(key for key in wanted.values() if key not in files)
+    if missing:
+        raise ValueError(f"{directory} lacks weights of stage {pipe.stage_index}: {missing[:5]}")
+    by_file: dict[str, list[str]] = {}
+    for name, key in wanted.items():
+        by_file.setdefault(files[key], []).append(name)
+    with torch.no_grad():
+        for path, names in by_file.items():
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in names:
+                    params[name].copy_(f.get_tensor(wanted[name]))
+
+
+def _peft_key(name: str, adapter_name: str) -> str:
+    """Where PEFT's `save_pretrained` stores a stage parameter: `base_model.model.` in front and
+    the adapter's name taken out (`...lora_A.default.weight` -> `...lora_A.weight`)."""
+    return "base_model.model." + name.replace(f".{adapter_name}.", ".")
+
+
+def _weight_files(directory: str) -> dict[str, str]:
+    """Tensor name -> safetensors file of a transformers checkpoint (single file or sharded)."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(directory, file) for name, file in weight_map.items()}
+    single = os.path.join(directory, "model.safetensors")
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"No model.safetensors (or its index) in {directory}.")
+    with safe_open(single, framework="pt", device="cpu") as f:
+        return dict.fromkeys(f.keys(), single)

@@ -22,9 +22,10 @@ from torch import nn
 
 from .. import checkpoint
 from ..boundary import Boundary
+from ..codecs import make_codec
 from ..dp import make_compressor
 from ..dp.base import ring_allreduce_bytes
-from ..models import get_adapter
+from ..models import get_adapter, unwrap_peft
 from ..models.split import stage_ranges
 from ..plan import Plan
 from ..telemetry import TrafficCounter, summarize
@@ -76,6 +77,7 @@ class Pipeline(nn.Module):
             )
         if timeout <= 0:
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+        plan.check_memory()
         if autocast_dtype == torch.float16:
             raise ValueError("autocast_dtype=torch.float16 needs loss scaling (a GradScaler), which the pipeline "
                              "does not do; use autocast_dtype=torch.bfloat16 (or None for full precision).")
@@ -84,6 +86,9 @@ class Pipeline(nn.Module):
         self.plan = plan
         self.timeout = float(timeout)
         self.autocast_dtype = autocast_dtype
+        # A PEFT model is split like its inner transformers model; saving writes the adapter only.
+        self.peft_model = model if unwrap_peft(model) is not model else None
+        model = unwrap_peft(model)
         adapter = get_adapter(model)  # unsupported families fail here, before any collective
         ranges = stage_ranges(adapter, plan)
         self.tied_pairs = adapter.tied_weights()
@@ -108,6 +113,7 @@ class Pipeline(nn.Module):
         self.boundary_dtype = autocast_dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.hidden_size = int(self.config.hidden_size)
         self.transport = Transport(self.group, self.mesh.rank, self.timeout, self.device)
+        self._uncompressed = make_codec("none")  # `eval_step(compress=False)`
         # Bytes outside the boundary channels; `evaluation` is everything `eval_step` sends.
         self.traffic = {"tie": TrafficCounter(), "collectives": TrafficCounter(), "evaluation": TrafficCounter()}
 
@@ -224,9 +230,10 @@ class Pipeline(nn.Module):
         return StepOutput(loss=loss, num_tokens=num_tokens)
 
     @torch.no_grad()
-    def eval_step(self, batch: dict[str, torch.Tensor]) -> StepOutput:
+    def eval_step(self, batch: dict[str, torch.Tensor], *, compress: bool = True) -> StepOutput:
         """Loss of `batch` without gradients, through the stateless inference codec (AQ-SGD falls
-        back as `Compression.inference` says); training state and the module's mode are kept."""
+        back as `Compression.inference` says); training state and the module's mode are kept.
+        With `compress=False` activations cross uncompressed: the model's loss without the codec."""
         check_batch(batch, self.plan, training=False)
         was_training = self.stage.training
         self.stage.eval()
@@ -238,19 +245,21 @@ class Pipeline(nn.Module):
             if self.tie is not None:
                 self.tie.share_rows(batch["input_ids"], counter)
             total = torch.zeros((), dtype=torch.float32, device=self.device)
+            receiver = self.forward_in and (self.forward_in.inference if compress else self._uncompressed)
+            sender = self.forward_out and (self.forward_out.inference if compress else self._uncompressed)
             for mb in micro:
                 shape = (*mb.input_ids.shape, self.hidden_size)
                 x = mb.input_ids
                 if not self.is_first:
-                    nbytes = self.forward_in.inference_payload_nbytes(shape, self.boundary_dtype)
+                    nbytes = receiver.payload_nbytes(shape, self.boundary_dtype)
                     payload = self.transport.recv(nbytes, self.mesh.prev_rank, self.device, "eval activations")
-                    x = self.forward_in.inference_receive(payload, shape, self.boundary_dtype)
+                    x = receiver.decode(payload, shape, self.boundary_dtype)
                 with self._autocast():
                     out = self.stage(x, mb.attention_mask)
                 if self.is_last:
                     total += self._loss(out, mb.labels, normaliser).float()
                 else:
-                    payload = self.forward_out.inference_send(out.to(self.boundary_dtype))
+                    payload = sender.encode(out.to(self.boundary_dtype).contiguous())
                     counter.add(payload.numel(), out.numel() * torch.finfo(self.boundary_dtype).bits // 8)
                     self.transport.send(payload, self.mesh.next_rank)
             self.transport.flush()
@@ -316,6 +325,15 @@ class Pipeline(nn.Module):
             return
         payload = self.backward_out.send(x.grad.contiguous(), slot=i)
         self.transport.send(payload, self.mesh.prev_rank, with_next_recv=pair)
+
+    def count_over_replicas(self, count: int) -> int:
+        """The sum of `count` over this stage's replicas (e.g. label tokens of an optimizer step,
+        for `num_items_in_batch`). Collective over the data-parallel group."""
+        if self.dp_group is None:
+            return int(count)
+        total = torch.tensor(int(count), dtype=torch.int64, device=self.device)
+        self._all_reduce(total, self.dp_group, self.num_replicas)
+        return int(total.item())
 
     def _all_reduce(self, t: torch.Tensor, group, size: int) -> None:
         """A small collective of the step (token counts, losses), timed and counted."""
@@ -449,9 +467,16 @@ class Pipeline(nn.Module):
         """Gather every stage's parameters on rank 0 and write ONE Transformers checkpoint
         (safetensors) plus `actcomp_config.json`. Collective: call on every rank.
 
-        `model` is the model passed to `prepare` (its config and class are used on rank 0).
+        `model` is the model passed to `prepare` (its config and class are used on rank 0). For a
+        `peft.PeftModel` only the adapter is gathered and written (`adapter_model.safetensors`),
+        which `PeftModel.from_pretrained(base, dir)` loads.
         """
         checkpointing.save_pretrained(self, save_directory, model, **kwargs)
+
+    def load_stage_weights(self, directory: str | os.PathLike) -> None:
+        """Load this stage's parameters from a `save_pretrained` directory, reading only its own
+        tensors (for a PEFT pipeline: its adapter weights from `adapter_model.safetensors`)."""
+        checkpointing.load_stage_weights(self, directory)
 
 
 def prepare(model: nn.Module, plan: Plan, *, device: torch.device | str | None = None,

@@ -1,0 +1,400 @@
+"""`ActCompTrainer`: `transformers.Trainer` with the model run as a plan's compressed pipeline stages.
+
+The same script works in one process and under `accelerate launch` / `torchrun`:
+
+- one process: the plan runs in-process (`simulate`), and Trainer's own loop does the rest;
+- `plan.world_size` processes: each rank holds one stage (`prepare`), Trainer's loop drives
+  `Pipeline.train_step` for every accumulation micro-step, the global clip norm and a per-stage
+  optimizer. Every stage of a pipeline reads the same batches in the same seeded order; replicas
+  read disjoint shards of equal length (the sampler runs over the data-parallel group, not the
+  world).
+
+What differs from Trainer, and why, is in `docs/trainer.md`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import datasets
+import torch
+import torch.distributed as dist
+from accelerate.data_loader import prepare_data_loader
+from torch.utils.data import DataLoader, IterableDataset
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker, speed_metrics
+
+from .data import SAMPLE_ID, add_sample_ids
+from .pipeline import prepare
+from .pipeline.batching import count_label_tokens
+from .pipeline.checkpointing import COMPRESSION_STATE_DIR
+from .plan import Plan
+from .simulate import simulate
+
+OPTIMIZER_FILE = "optimizer-rank{rank}.pt"
+SCHEDULER_FILE = "scheduler.pt"
+
+
+class PadToLength:
+    """Wrap a collator so that every training batch is right-padded to one fixed length.
+
+    AQ-SGD keeps one activation per sample of a fixed shape, while Trainer's collators pad each
+    batch to its own longest row. Right padding with `attention_mask=0` and `labels=-100` changes
+    neither the loss nor any gradient of a causal model: no real token attends to a later one.
+    """
+
+    def __init__(self, collator: Callable, length: int, pad_token_id: int) -> None:
+        self.collator = collator
+        self.length = length
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, features: list) -> dict[str, torch.Tensor]:
+        batch = self.collator(features)
+        extra = self.length - batch["input_ids"].shape[1]
+        if extra < 0:
+            raise ValueError(
+                f"The collator produced rows of {batch['input_ids'].shape[1]} tokens, longer than "
+                f"pad_to_length={self.length}; pass ActCompTrainer(pad_to_length=...) at least that long."
+            )
+        if extra:
+            fill = {"input_ids": self.pad_token_id, "attention_mask": 0, "labels": -100}
+            for key, value in fill.items():
+                if key in batch:
+                    batch[key] = torch.nn.functional.pad(batch[key], (0, extra), value=value)
+        return batch
+
+
+class ActCompTrainer(Trainer):
+    """A `transformers.Trainer` that trains the model split into the stages of `plan`, with the
+    plan's compression at every stage boundary.
+
+    Write `ActCompTrainer(..., plan=plan)` where you wrote `Trainer(...)`. Run the script as is
+    (one process: the stages run in-process) or with `plan.world_size` processes under
+    `accelerate launch` / `torchrun` (one stage per rank). `model` may be a `peft.PeftModel`.
+
+    Args:
+        plan: how the model is split and what crosses each boundary. For AQ-SGD, an unset
+            `memory.num_samples` is filled with `len(train_dataset)` and a `sample_id` column is
+            added to `train_dataset` when missing.
+        pad_to_length: AQ-SGD only: the length every training batch is padded to (default: the
+            longest `input_ids` row of `train_dataset`).
+        timeout: seconds any wait on a peer stage may take before the step fails.
+        **kwargs: everything `transformers.Trainer` takes.
+    """
+
+    def __init__(self, model=None, args: TrainingArguments | None = None, *, plan: Plan,
+                 pad_to_length: int | None = None, timeout: float = 300.0, **kwargs: Any) -> None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a hf_actcomp.Plan, got {type(plan).__name__}.")
+        if model is None:
+            raise ValueError("ActCompTrainer needs a model (model_init is not supported: every rank splits the "
+                             "model it is given).")
+        args = args if args is not None else TrainingArguments(output_dir="trainer_output")
+        _check_arguments(args, plan, kwargs)
+        aqsgd = plan.forward.method == "aqsgd"
+        train_dataset = kwargs.get("train_dataset")
+        if aqsgd and train_dataset is not None:
+            kwargs["train_dataset"] = train_dataset = _with_sample_ids(train_dataset)
+            plan = _with_num_samples(plan, max(len(train_dataset), max(train_dataset[SAMPLE_ID]) + 1))
+        super().__init__(model=model, args=args, **kwargs)
+        self.plan = plan
+        self.pipe = None
+        self.sim = None
+        if self.args.world_size == 1:
+            self.sim = simulate(self.model, plan)
+        else:
+            self.pipe = prepare(self.model, plan, timeout=timeout,
+                                autocast_dtype=torch.bfloat16 if self.args.bf16 else None)
+        self._train_collator = self.data_collator
+        if aqsgd and train_dataset is not None:
+            length = pad_to_length or _longest_row(train_dataset)
+            pad_id = getattr(self.processing_class, "pad_token_id", None)
+            self._train_collator = PadToLength(self.data_collator, length, pad_id if pad_id is not None else 0)
+
+    # ------------------------------------------------------------------------- data
+    def _set_signature_columns_if_needed(self) -> None:
+        super()._set_signature_columns_if_needed()
+        if SAMPLE_ID not in self._signature_columns:  # AQ-SGD's memory key must survive remove_unused_columns
+            self._signature_columns.append(SAMPLE_ID)
+
+    def _get_dataloader(self, dataset, description: str, batch_size: int, sampler_fn=None, is_training: bool = False,
+                        dataloader_key: str | None = None) -> DataLoader:
+        """Trainer's dataloader, sharded over the data-parallel group (training) or not at all
+        (evaluation: every replica evaluates the whole set), never over the whole world: every
+        stage of a pipeline must read the same batches."""
+        collator = self._train_collator if is_training else self.data_collator
+        if isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description=description)
+        replicas, index = (self.pipe.num_replicas, self.pipe.replica) if self.pipe and is_training else (1, 0)
+        workers = self.args.dataloader_num_workers
+        params: dict[str, Any] = {"batch_size": batch_size, "collate_fn": collator, "num_workers": workers,
+                                  "pin_memory": self.args.dataloader_pin_memory}
+        if workers > 0:
+            params.update(persistent_workers=self.args.dataloader_persistent_workers,
+                          prefetch_factor=self.args.dataloader_prefetch_factor,
+                          # Seeded by replica, not rank: the stages of a pipeline must collate alike.
+                          worker_init_fn=partial(seed_worker, num_workers=workers, rank=index))
+        if not isinstance(dataset, IterableDataset):
+            params["sampler"] = sampler_fn(dataset) if sampler_fn is not None else None
+            params["drop_last"] = self.args.dataloader_drop_last
+        acc = self.accelerator
+        return prepare_data_loader(
+            DataLoader(dataset, **params), acc.device, num_processes=replicas, process_index=index,
+            split_batches=acc.split_batches, put_on_device=acc.device_placement, rng_types=acc.rng_types.copy(),
+            even_batches=acc.even_batches, use_seedable_sampler=acc.use_seedable_sampler,
+            data_seed=acc.dataloader_config.data_seed, non_blocking=acc.non_blocking,
+        )
+
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        replicas = self.pipe.num_replicas if getattr(self, "pipe", None) is not None else 1
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * replicas
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """Label tokens of the optimizer step over every replica (not over every rank: the
+        stages of one pipeline read the same batch)."""
+        if self.pipe is None:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        if not batch_samples or "labels" not in batch_samples[0]:
+            return None
+        # Counted as Trainer counts (shifted only when it knows the loss shifts), so that the
+        # logged loss equals plain Trainer's on the unsplit model.
+        shifted = self._loss_shifts_labels
+        local = sum(int(((b["labels"][..., 1:] if shifted else b["labels"]) != -100).sum()) for b in batch_samples)
+        return self.pipe.count_over_replicas(local)
+
+    # ------------------------------------------------------------------------- training
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        # Not `self.model`: Trainer then skips accelerator.prepare(model), whose DDP would span
+        # every rank although ranks hold different stages.
+        return self.pipe if self.pipe is not None else self.sim
+
+    def create_optimizer(self, model=None):
+        return super().create_optimizer(self.pipe.stage if self.pipe is not None else model)
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        # Accelerate autocasts only a model it prepared; the simulation is not prepared.
+        if self.sim is not None and self.args.bf16:
+            return torch.autocast(self.args.device.type, dtype=torch.bfloat16, cache_enabled=cache_enabled)
+        return super().autocast_smart_context_manager(cache_enabled)
+
+    def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        if self.pipe is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        out = self.pipe.train_step(inputs, num_items_in_batch=num_items_in_batch,
+                                   sync=self.accelerator.sync_gradients)
+        loss = out.loss.detach()
+        if num_items_in_batch is None:
+            loss = loss / self.current_gradient_accumulation_steps
+        return loss.to(self.args.device)
+
+    def _clip_grad_norm(self, model):
+        if self.pipe is None:
+            return super()._clip_grad_norm(model)
+        return self.pipe.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if self.pipe is not None and grad_norm is None:
+            grad_norm = self.pipe.clip_grad_norm_(float("inf"))
+        return super()._get_grad_norm(model, grad_norm)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Trainer's logs, with the compression statistics at every training logging step."""
+        if "loss" in logs:
+            logs = {**logs, **self.communication_logs()}
+        super().log(logs, start_time)
+
+    def communication_logs(self) -> dict[str, float]:
+        """`comm/*` entries: bytes sent (all traffic between ranks, this pipeline), compression
+        ratio, relative error per boundary direction and, distributed, each stage's seconds
+        computing vs waiting. Collective over the pipeline when distributed."""
+        stats = self.pipe.stats(gather=True) if self.pipe is not None else self.sim.stats()
+        logs = {"comm/bytes_sent": stats["bytes_sent"], "comm/bytes_uncompressed": stats["bytes_uncompressed"],
+                "comm/compression_ratio": stats["compression_ratio"]}
+        for name, error in stats["relative_error"].items():
+            logs[f"comm/{name}/relative_error"] = error
+        for stage, timing in stats.get("stages", {}).items():
+            logs[f"comm/stage{stage}/seconds_computing"] = timing["seconds_computing"]
+            logs[f"comm/stage{stage}/seconds_waiting"] = timing["seconds_waiting"]
+        return logs
+
+    # ------------------------------------------------------------------------- evaluation
+    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """`{prefix}_loss` / `_perplexity` through the boundary codecs at inference, and
+        `{prefix}_plain_loss` / `_plain_perplexity` without them. Losses are token-weighted means
+        over the whole evaluation set."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("ActCompTrainer: evaluation requires an eval_dataset.")
+        if isinstance(dataset, dict):
+            metrics: dict[str, float] = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        loader = self.get_eval_dataloader(dataset)
+        start = time.time()
+        compressed, plain, rows = self._evaluation_losses(loader)
+        metrics = {}
+        for name, loss in (("loss", compressed), ("plain_loss", plain)):
+            metrics[f"{metric_key_prefix}_{name}"] = loss
+            metrics[f"{metric_key_prefix}_{name.replace('loss', 'perplexity')}"] = math.exp(min(loss, 50.0))
+        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=rows, num_steps=len(loader)))
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    @torch.no_grad()
+    def _evaluation_losses(self, loader) -> tuple[float, float, int]:
+        sums, tokens, rows = [0.0, 0.0], 0, 0
+        for batch in loader:
+            n = count_label_tokens(batch["labels"])
+            if self.pipe is not None:
+                losses = [self.pipe.eval_step(batch, compress=c).loss for c in (True, False)]
+            else:
+                losses = self._simulated_eval_losses(batch)
+            for i, loss in enumerate(losses):
+                sums[i] += float(loss) * n
+            tokens += n
+            rows += batch["input_ids"].shape[0]
+        return sums[0] / max(tokens, 1), sums[1] / max(tokens, 1), rows
+
+    def _simulated_eval_losses(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        plain_inputs = {k: v for k, v in batch.items() if k != SAMPLE_ID}
+        was_training = self.model.training
+        self.sim.eval()
+        try:
+            with self.autocast_smart_context_manager():
+                return [self.sim(**batch).loss, self.model(**plain_inputs).loss]
+        finally:
+            self.sim.train(was_training)
+
+    # ------------------------------------------------------------------------- saving
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The trained model (or, for PEFT, the adapter) as one `from_pretrained` checkpoint,
+        with the plan (`actcomp_config.json`). Collective when distributed: call on every rank."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.pipe is None:
+            super().save_model(output_dir, _internal_call)
+            if self.args.should_save:
+                self.plan.save_pretrained(output_dir)
+            return
+        self.pipe.save_pretrained(output_dir, model=self.model)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        output_dir = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.save_only_model:
+            return
+        state_dir = os.path.join(output_dir, COMPRESSION_STATE_DIR)
+        if self.pipe is not None:
+            self.pipe.save_compression_state(state_dir)
+        elif self.args.should_save:
+            self.sim.save_compression_state(state_dir)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.pipe is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # Each rank optimises its own stage: one optimizer file per rank.
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_FILE.format(rank=dist.get_rank())))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        if self.pipe is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        else:
+            path = os.path.join(checkpoint, OPTIMIZER_FILE.format(rank=dist.get_rank()))
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path} is missing: was {checkpoint} saved by a run with "
+                                        f"{self.plan.world_size} processes?")
+            self.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
+        state_dir = os.path.join(checkpoint, COMPRESSION_STATE_DIR)
+        if os.path.isdir(state_dir):
+            (self.pipe or self.sim).load_compression_state(state_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if self.pipe is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self.pipe.load_stage_weights(resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        if self.pipe is None:
+            return super()._load_best_model()
+        self.pipe.load_stage_weights(self.state.best_model_checkpoint)
+
+
+# ----------------------------------------------------------------------------- checks and helpers
+_REFUSED = {
+    "deepspeed": "DeepSpeed shards parameters and optimizer state over all ranks, which here hold different stages",
+    "fsdp": "FSDP shards every parameter over all ranks, which here hold different stages",
+    "fp16": "fp16 needs a loss scaler shared by all stages; use bf16=True",
+    "torch_compile": "the stages are not compiled yet",
+    "gradient_checkpointing": "activation checkpointing per stage is not implemented yet",
+}
+
+
+def _check_arguments(args: TrainingArguments, plan: Plan, kwargs: dict[str, Any]) -> None:
+    """Refuse, before any work, what cannot run split into stages, and a wrong process count."""
+    for name, reason in _REFUSED.items():
+        if getattr(args, name, None):
+            raise ValueError(f"ActCompTrainer does not support TrainingArguments({name}=...): {reason}.")
+    if args.label_smoothing_factor:
+        raise ValueError("ActCompTrainer does not support label_smoothing_factor: the last stage computes the "
+                         "model's own loss.")
+    world = args.world_size
+    if world != 1 and world != plan.world_size:
+        raise ValueError(
+            f"Plan.num_stages={plan.num_stages} x data_parallel={plan.data_parallel} needs {plan.world_size} "
+            f"processes (or 1, to run the stages in-process), but this job has {world}. Launch with "
+            f"--num_processes {plan.world_size} or change the plan."
+        )
+    if world > 1:
+        for key, reason in (("compute_loss_func", "the loss is computed on the last stage only"),
+                            ("optimizers", "each rank builds the optimizer of its own stage"),
+                            ("optimizer_cls_and_kwargs", "each rank builds the optimizer of its own stage")):
+            if kwargs.get(key) not in (None, (None, None)):
+                raise ValueError(f"ActCompTrainer with several processes does not take {key}=: {reason}. Choose "
+                                 "the optimizer with TrainingArguments(optim=..., optim_args=...).")
+
+
+def _with_sample_ids(dataset):
+    if isinstance(dataset, datasets.Dataset):
+        return dataset if SAMPLE_ID in dataset.column_names else add_sample_ids(dataset)
+    raise TypeError(
+        f"AQ-SGD keys its memory by sample: train_dataset must be a datasets.Dataset (got "
+        f"{type(dataset).__name__}), or yield a 'sample_id' per row and use a plan with memory.num_samples."
+    )
+
+
+def _with_num_samples(plan: Plan, num_samples: int) -> Plan:
+    """The plan with `memory.num_samples` filled (a copy); an explicit value must cover the ids."""
+    data = plan.to_dict()
+    if data["memory"].get("num_samples") is None:
+        data["memory"]["num_samples"] = num_samples
+    elif data["memory"]["num_samples"] < num_samples:
+        raise ValueError(f"Plan memory.num_samples={data['memory']['num_samples']} does not cover the training "
+                         f"set's sample ids (it needs {num_samples}); leave it unset to use the data set's size.")
+    return Plan.from_dict(data)
+
+
+def _longest_row(dataset) -> int:
+    if isinstance(dataset, datasets.Dataset):
+        return max(len(ids) for ids in dataset["input_ids"])
+    return max(len(dataset[i]["input_ids"]) for i in range(len(dataset)))

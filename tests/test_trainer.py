@@ -1,0 +1,276 @@
+"""ActCompTrainer against plain `transformers.Trainer` on the unsplit model: logged losses, gradient
+norms and final weights (in-process, 2 processes, 2 x 2 with data parallel, LoRA), resume from a
+checkpoint, AQ-SGD with dynamic padding, and what is refused before training."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from distributed import run_workers
+from safetensors.torch import load_file
+from trainer_cases import lora_model, pad_collator, ragged_dataset, training_args
+from transformers import Trainer, TrainingArguments
+
+import hf_actcomp
+from hf_actcomp import ActCompTrainer, Compression, Plan
+from hf_actcomp.debug import debug_model
+from hf_actcomp.trainer import PadToLength, _check_arguments
+
+
+def _logged(trainer, key: str) -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
+
+
+def _reference(tmp_path, model, batch_size: int = 4, **overrides):
+    """Plain Trainer on the unsplit model, with the same arguments and data."""
+    trainer = Trainer(model=model, args=training_args(str(tmp_path / "reference"), batch_size=batch_size, **overrides),
+                      train_dataset=ragged_dataset(), data_collator=pad_collator)
+    trainer.train()
+    return trainer
+
+
+def _assert_same_run(reference, losses, grad_norms, weights: dict[str, torch.Tensor], model) -> None:
+    assert losses == pytest.approx(_logged(reference, "loss"), rel=1e-6)
+    assert grad_norms == pytest.approx(_logged(reference, "grad_norm"), rel=1e-5)
+    for name, value in weights.items():
+        torch.testing.assert_close(value, model.get_parameter(name).detach(), rtol=0, atol=1e-4, msg=name)
+
+
+def test_in_process_matches_plain_trainer(tmp_path):
+    """One process: the plan runs through simulate(); same losses, norms and weights as Trainer."""
+    reference_model = debug_model("gpt2", seed=0)
+    reference = _reference(tmp_path, reference_model)
+    model = debug_model("gpt2", seed=0)
+    trainer = ActCompTrainer(model=model, args=training_args(str(tmp_path / "ours")), plan=Plan(num_stages=2),
+                             train_dataset=ragged_dataset(), eval_dataset=ragged_dataset(8, seed=1),
+                             data_collator=pad_collator)
+    assert trainer.sim is not None and trainer.pipe is None
+    trainer.train()
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    _assert_same_run(reference, _logged(trainer, "loss"), _logged(trainer, "grad_norm"), weights, reference_model)
+
+    # Every logging step carries the boundary bytes: identity codec, fp32, forward + backward of
+    # every accumulation micro-step so far.
+    loader = trainer.get_train_dataloader()
+    shapes = [batch["input_ids"].shape for _, batch in zip(range(2), loader, strict=False)]
+    first_step = sum(2 * rows * length * 64 * 4 for rows, length in shapes)
+    first_log = trainer.state.log_history[0]
+    assert first_log["comm/bytes_sent"] == first_step
+    assert first_log["comm/compression_ratio"] == 1.0
+    assert first_log["comm/boundary0.forward/relative_error"] == 0.0
+
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == pytest.approx(metrics["eval_plain_loss"], rel=1e-5)  # identity codec
+    assert metrics["eval_perplexity"] == pytest.approx(torch.tensor(metrics["eval_loss"]).exp().item(), rel=1e-6)
+
+
+def test_aqsgd_with_dynamic_padding_and_save(tmp_path):
+    """AQ-SGD: sample ids added, num_samples filled from the data, batches padded to one length;
+    the codec's eval loss and the plain one are both reported; save_model writes a loadable model."""
+    plan = Plan(num_stages=2, forward=Compression("aqsgd", bits=4), backward=Compression("quantize", bits=8))
+    model = debug_model("gpt2", seed=0)
+    trainer = ActCompTrainer(model=model, args=training_args(str(tmp_path), max_steps=6), plan=plan,
+                             train_dataset=ragged_dataset(), eval_dataset=ragged_dataset(8, seed=1),
+                             data_collator=pad_collator)
+    assert plan.memory.num_samples is None and trainer.plan.memory.num_samples == 32
+    assert "sample_id" in trainer.train_dataset.column_names
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["input_ids"].shape[1] == 12 and "sample_id" in batch
+    trainer.train()
+    losses = _logged(trainer, "loss")
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
+    assert trainer.state.log_history[-2]["comm/compression_ratio"] > 1.5  # revisited samples send 4-bit deltas
+    metrics = trainer.evaluate()
+    assert {"eval_loss", "eval_perplexity", "eval_plain_loss", "eval_plain_perplexity"} <= set(metrics)
+    assert metrics["eval_loss"] != metrics["eval_plain_loss"]  # direct 4-bit at inference
+    trainer.save_model(str(tmp_path / "final"))
+    assert Plan.from_pretrained(str(tmp_path / "final")) == trainer.plan
+    reloaded = type(model).from_pretrained(str(tmp_path / "final"))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(reloaded.get_parameter(name), p.detach(), rtol=0, atol=0)
+
+
+def test_pad_to_length_changes_no_loss_or_gradient():
+    model = debug_model("llama", seed=0)
+    rows = [ragged_dataset()[i] for i in range(4)]
+    short = pad_collator(rows)
+    padded = PadToLength(pad_collator, 16, pad_token_id=0)(rows)
+    assert padded["input_ids"].shape == (4, 16) and (padded["labels"][:, 12:] == -100).all()
+    grads = []
+    for batch in (short, padded):
+        model.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for name, g in grads[0][1].items():
+        torch.testing.assert_close(grads[1][1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="longer than pad_to_length=8"):
+        PadToLength(pad_collator, 8, pad_token_id=0)(rows)
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("deepspeed", "ds.json", "deepspeed=.*DeepSpeed shards"),
+        ("fsdp", "full_shard", "fsdp=.*FSDP shards"),
+        ("fp16", True, "fp16 needs a loss scaler"),
+        ("gradient_checkpointing", True, "not implemented yet"),
+        ("label_smoothing_factor", 0.1, "label_smoothing_factor"),
+        ("world_size", 3, "needs 2 processes \\(or 1, to run the stages in-process\\), but this job has 3"),
+    ],
+)
+def test_refused_before_training(name, value, message):
+    args = SimpleNamespace(deepspeed=None, fsdp=None, fp16=False, torch_compile=False, gradient_checkpointing=False,
+                           label_smoothing_factor=0.0, world_size=1)
+    setattr(args, name, value)
+    with pytest.raises(ValueError, match=message):
+        _check_arguments(args, Plan(num_stages=2), {})
+
+
+def test_refuses_optimizer_from_outside_with_several_processes():
+    args = SimpleNamespace(deepspeed=None, fsdp=None, fp16=False, torch_compile=False, gradient_checkpointing=False,
+                           label_smoothing_factor=0.0, world_size=2)
+    with pytest.raises(ValueError, match="does not take optimizers="):
+        _check_arguments(args, Plan(num_stages=2), {"optimizers": (torch.optim.SGD([torch.zeros(1)], lr=1), None)})
+
+
+def test_plan_must_be_a_plan(tmp_path):
+    with pytest.raises(TypeError, match="plan must be a hf_actcomp.Plan"):
+        ActCompTrainer(model=debug_model("gpt2"), args=TrainingArguments(str(tmp_path), use_cpu=True), plan={})
+
+
+# ----------------------------------------------------------------------------- several processes
+def _run(tmp_path, name: str, world: int, spec: dict) -> tuple[str, list[dict]]:
+    out = tmp_path / name
+    out.mkdir()
+    run_workers("trainer_worker.py", world, [json.dumps(spec), str(out)], timeout=300)
+    results = [json.loads((out / f"losses-rank{r}.json").read_text()) for r in range(world)]
+    return str(out), results
+
+
+def _stage_weights(out: str, world: int, num_stages: int) -> list[dict[str, torch.Tensor]]:
+    """Each rank's stage parameters, without the first stage's copy of a tied embedding (the
+    last stage owns it; the copy holds only the rows of the latest batch)."""
+    parts = []
+    for rank in range(world):
+        weights = load_file(os.path.join(out, f"weights-rank{rank}.safetensors"))
+        if rank % num_stages == 0 and num_stages > 1:
+            weights.pop("transformer.wte.weight", None)
+        parts.append(weights)
+    return parts
+
+
+@pytest.mark.parametrize("data_parallel", [1, 2], ids=["2-stages", "2x2-data-parallel"])
+def test_distributed_matches_plain_trainer(tmp_path, data_parallel):
+    """Codec none on 2 (or 2 x 2) processes: the logged losses and norms, and every stage's final
+    weights, equal plain Trainer's on the unsplit model with the replicas' global batch."""
+    world = 2 * data_parallel
+    reference_model = debug_model("gpt2", seed=0)
+    reference = _reference(tmp_path, reference_model, batch_size=4 * data_parallel)
+    spec = {"plan": {"num_stages": 2, "data_parallel": data_parallel}, "evaluate": True}
+    out, results = _run(tmp_path, "ours", world, spec)
+    expected_eval = _token_weighted_loss(reference_model, ragged_dataset(8, seed=1), batch_size=4)
+    for rank, result in enumerate(results):
+        norms = [h["grad_norm"] for h in result["logs"]]
+        _assert_same_run(reference, result["losses"], norms, _stage_weights(out, world, 2)[rank], reference_model)
+        assert result["metrics"]["eval_plain_loss"] == pytest.approx(expected_eval, rel=1e-5)
+        assert result["metrics"]["eval_loss"] == pytest.approx(expected_eval, rel=1e-5)  # identity codec
+
+
+def _token_weighted_loss(model, dataset, batch_size: int) -> float:
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(dataset), batch_size):
+            batch = pad_collator([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            total += model(**batch).loss.item() * n
+            tokens += n
+    return total / tokens
+
+
+def test_distributed_lora_matches_and_saves_adapter(tmp_path):
+    """LoRA through the stages: same run as Trainer on the unsplit PEFT model; the adapter saved
+    from both stages reloads with PeftModel.from_pretrained and gives the same logits."""
+    from peft import PeftModel
+
+    reference_model = lora_model(debug_model("gpt2", seed=0))
+    reference = _reference(tmp_path, reference_model)
+    saved = str(tmp_path / "adapter")
+    out, results = _run(tmp_path, "ours", 2, {"plan": {"num_stages": 2}, "lora": True, "save": saved})
+    base = reference_model.get_base_model()
+    for rank, result in enumerate(results):
+        weights = _stage_weights(out, 2, 2)[rank]
+        trained = {n: w for n, w in weights.items() if "lora_" in n}
+        assert trained, "every stage holds LoRA weights"
+        norms = [h["grad_norm"] for h in result["logs"]]
+        _assert_same_run(reference, result["losses"], norms, trained, base)
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(saved))
+    assert "model.safetensors" not in os.listdir(saved)
+    reloaded = PeftModel.from_pretrained(debug_model("gpt2", seed=0), saved)
+    batch = pad_collator([ragged_dataset()[i] for i in range(4)])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).logits, reference_model(**batch).logits, rtol=0, atol=1e-4)
+
+
+def test_distributed_resume_continues_exactly(tmp_path):
+    """AQ-SGD fw4/bw8, AdamW, accumulation 2: 6 steps straight == 2 or 4 steps, checkpoint, new
+    processes, resume, the rest (steps 5-6 revisit samples: the AQ-SGD memory must come back).
+    With evaluation every 2 steps, save_total_limit=2 and load_best_model_at_end."""
+    plan = Plan(num_stages=2, forward=Compression("aqsgd", bits=4), backward=Compression("quantize", bits=8))
+    args = {"max_steps": 6, "save_strategy": "steps", "save_steps": 2, "eval_strategy": "steps", "eval_steps": 2,
+            "save_total_limit": 2, "load_best_model_at_end": True}
+    straight, full = _run(tmp_path, "straight", 2, {"plan": plan.to_dict(), "args": args})
+    run_dir = os.path.join(straight, "run")
+    state = json.loads(open(os.path.join(run_dir, "checkpoint-6", "trainer_state.json")).read())
+    best = state["best_model_checkpoint"]
+    kept = sorted(d for d in os.listdir(run_dir) if d.startswith("checkpoint-"))
+    assert len(kept) == 2 and os.path.basename(best) in kept and "checkpoint-6" in kept  # limit 2, best kept
+    checkpoint = os.path.join(run_dir, kept[0])  # checkpoint-2 or checkpoint-4
+    files = set(os.listdir(checkpoint))
+    assert {"optimizer-rank0.pt", "optimizer-rank1.pt", "scheduler.pt", "trainer_state.json", "model.safetensors",
+            "rng_state_0.pth", "rng_state_1.pth", "actcomp_state"} <= files
+    # load_best_model_at_end: every stage ends with the best checkpoint's weights.
+    best_weights = load_file(os.path.join(best, "model.safetensors"))
+    for weights in _stage_weights(straight, 2, 2):
+        for name, value in weights.items():
+            expected = best_weights[name if name in best_weights else "transformer.wte.weight"]
+            torch.testing.assert_close(value, expected, rtol=0, atol=0, msg=name)
+
+    resumed, part = _run(tmp_path, "resumed", 2, {"plan": plan.to_dict(), "args": args, "resume": checkpoint})
+    for rank in range(2):
+        assert part[rank]["losses"] == full[rank]["losses"]  # the first steps come from the checkpoint's history
+        for name, value in _stage_weights(resumed, 2, 2)[rank].items():
+            torch.testing.assert_close(value, _stage_weights(straight, 2, 2)[rank][name], rtol=0, atol=0, msg=name)
+
+
+def test_distributed_bf16_base_with_fp32_lora(tmp_path):
+    """A bf16 base model with fp32 LoRA weights, under bf16 autocast, on 2 processes: trains, and
+    only the adapter changes; losses follow plain Trainer's on the same model within bf16 noise."""
+    spec = {"plan": {"num_stages": 2}, "lora": True, "dtype": "bfloat16", "args": {"bf16": True}}
+    reference_model = lora_model(debug_model("gpt2", seed=0).to(torch.bfloat16))
+    reference = _reference(tmp_path, reference_model, bf16=True)
+    out, results = _run(tmp_path, "ours", 2, spec)
+    untouched = lora_model(debug_model("gpt2", seed=0).to(torch.bfloat16)).get_base_model()
+    for rank, result in enumerate(results):
+        assert result["losses"] == pytest.approx(_logged(reference, "loss"), rel=2e-2)
+        for name, value in _stage_weights(out, 2, 2)[rank].items():
+            before = untouched.get_parameter(name)
+            if "lora_" in name:
+                assert value.dtype == torch.float32
+                if "lora_B" in name:
+                    assert not torch.equal(value, before), name
+            else:
+                assert value.dtype == torch.bfloat16 and torch.equal(value, before), name
+
+
+def test_prepare_accepts_peft_model_in_simulation():
+    model = lora_model(debug_model("gpt2", seed=0))
+    sim = hf_actcomp.simulate(model, Plan(num_stages=2))
+    batch = pad_collator([ragged_dataset()[i] for i in range(4)])
+    sim(**batch).loss.backward()
+    assert all((p.grad is not None) == p.requires_grad for p in model.parameters())

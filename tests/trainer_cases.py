@@ -1,0 +1,50 @@
+"""Shared by the ActCompTrainer tests and their worker: a tiny data set with rows of different
+lengths, a padding collator, and the TrainingArguments every exactness run uses."""
+
+from __future__ import annotations
+
+import datasets
+import torch
+from transformers import TrainingArguments
+
+
+def ragged_dataset(rows: int = 32, length: int = 12, seed: int = 0) -> datasets.Dataset:
+    """Token rows of 6..length tokens (vocabulary 256), so that batches need padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (rows, length), generator=g)
+    lengths = torch.randint(6, length + 1, (rows,), generator=g)
+    tokens = [ids[i, : lengths[i]].tolist() for i in range(rows)]
+    return datasets.Dataset.from_dict(
+        {"input_ids": tokens, "labels": tokens, "attention_mask": [[1] * len(t) for t in tokens]}
+    )
+
+
+def pad_collator(features: list[dict]) -> dict[str, torch.Tensor]:
+    """Right-pad to the batch's longest row, as Trainer's dynamic-padding collators do."""
+    longest = max(len(f["input_ids"]) for f in features)
+    batch = {}
+    for key, pad in (("input_ids", 0), ("attention_mask", 0), ("labels", -100)):
+        batch[key] = torch.tensor([f[key] + [pad] * (longest - len(f[key])) for f in features])
+    if "sample_id" in features[0]:
+        batch["sample_id"] = torch.tensor([f["sample_id"] for f in features])
+    return batch
+
+
+def training_args(output_dir: str, batch_size: int = 4, **overrides) -> TrainingArguments:
+    """AdamW with a warmed-up linear schedule, accumulation 2, clipping at 1.0."""
+    kwargs = dict(output_dir=output_dir, per_device_train_batch_size=batch_size, per_device_eval_batch_size=4,
+                  gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=1e-2, warmup_steps=2,
+                  lr_scheduler_type="linear", max_steps=4, logging_steps=1, report_to=[], seed=0, use_cpu=True,
+                  save_strategy="no", disable_tqdm=True)
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def lora_model(model):
+    """LoRA (r=4) on every attention projection of a debug GPT-2, with a fixed initialisation."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"],
+                                                  lora_dropout=0.0, init_lora_weights="gaussian"))
+    return peft_model

@@ -1,0 +1,43 @@
+"""Worker of the multi-process ActCompTrainer tests: `python trainer_worker.py SPEC_JSON OUT_DIR`.
+
+SPEC: {"family", "dtype", "plan" (Plan dict), "args" (TrainingArguments overrides), "lora" (bool),
+"resume" (checkpoint dir or null), "save" (dir or null), "evaluate" (bool)}. Each rank writes its logged losses
+(`losses-rank{r}.json`) and its stage's parameters (`weights-rank{r}.safetensors`).
+"""
+
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+import hf_actcomp
+from hf_actcomp.debug import debug_model
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from trainer_cases import lora_model, pad_collator, ragged_dataset, training_args  # noqa: E402
+
+
+def main(spec: dict, out_dir: str) -> None:
+    model = debug_model(spec.get("family", "gpt2"), seed=0).to(getattr(torch, spec.get("dtype", "float32")))
+    if spec.get("lora"):
+        model = lora_model(model)
+    plan = hf_actcomp.Plan.from_dict(spec["plan"])
+    args = training_args(os.path.join(out_dir, "run"), **spec.get("args", {}))
+    trainer = hf_actcomp.ActCompTrainer(model=model, args=args, plan=plan, train_dataset=ragged_dataset(),
+                                        eval_dataset=ragged_dataset(8, seed=1), data_collator=pad_collator)
+    trainer.train(resume_from_checkpoint=spec.get("resume"))
+    rank = trainer.args.process_index
+    metrics = trainer.evaluate() if spec.get("evaluate") else {}
+    if spec.get("save"):
+        trainer.save_model(spec["save"])
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    with open(os.path.join(out_dir, f"losses-rank{rank}.json"), "w") as f:
+        json.dump({"losses": [h["loss"] for h in logs], "logs": logs, "metrics": metrics}, f)
+    weights = {n: p.detach().contiguous() for n, p in trainer.pipe.stage.named_parameters()}
+    save_file(weights, os.path.join(out_dir, f"weights-rank{rank}.safetensors"))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]), sys.argv[2])
