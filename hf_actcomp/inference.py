@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .feedback import build_inference_codec
+from .boundary import Boundary
 from .models import get_adapter
 from .models.split import stage_ranges
 from .plan import Plan
-from .telemetry import ChannelStats, summarize
+from .telemetry import summarize
 
 
 class CompressedInference:
@@ -33,23 +33,23 @@ class CompressedInference:
         adapter = get_adapter(model)
         self.ranges = stage_ranges(adapter, plan)
         blocks = adapter.blocks()
-        self.channels: dict[str, ChannelStats] = {}
+        # Only the stateless inference codec of each boundary: no training state is touched.
+        self.boundaries = {f"boundary{i}.forward": Boundary(f"boundary{i}.forward", plan.forward, sender=False,
+                                                             receiver=False) for i in range(len(self.ranges) - 1)}
         self._handles = []
-        for index, r in enumerate(self.ranges[:-1]):
-            name = f"boundary{index}.forward"
-            self.channels[name] = ChannelStats()
-            hook = self._make_hook(name, build_inference_codec(plan.forward), build_inference_codec(plan.forward))
-            self._handles.append(blocks[r.stop - 1].register_forward_hook(hook))
+        for boundary, r in zip(self.boundaries.values(), self.ranges, strict=False):
+            self._handles.append(blocks[r.stop - 1].register_forward_hook(self._make_hook(boundary)))
 
-    def _make_hook(self, name, encoder, decoder):
-        stats = self.channels[name]
+    @staticmethod
+    def _make_hook(boundary: Boundary):
+        stats = boundary.stats
 
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output
             with stats.timing("encode"):
-                payload = encoder.encode(hidden.detach())
+                payload = boundary.inference_send(hidden)
             with stats.timing("decode"):
-                decoded = decoder.decode(payload, hidden.shape, hidden.dtype)
+                decoded = boundary.inference_receive(payload, hidden.shape, hidden.dtype)
             stats.record(hidden, payload.numel(), decoded)
             # Straight-through so that gradients (if any) still reach earlier stages.
             decoded = hidden + (decoded - hidden).detach()
@@ -69,7 +69,7 @@ class CompressedInference:
         return self.model.generate(*args, **kwargs)
 
     def stats(self) -> dict:
-        return summarize(self.channels)
+        return summarize({name: b.stats for name, b in self.boundaries.items()})
 
     def remove(self) -> nn.Module:
         """Remove the hooks and return the original, unchanged model."""

@@ -30,6 +30,7 @@ def parse_args(argv=None):
     p.set_defaults(output_dir="outputs/finetune_trainer")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--warmup_steps", type=int, default=10)
+    p.add_argument("--lr_scheduler_type", default="linear", help="any of TrainingArguments' (linear, constant, cosine, ...)")
     p.add_argument("--logging_steps", type=int, default=10)
     p.add_argument("--save_steps", type=int, default=None, help="write a checkpoint every N optimizer steps")
     p.add_argument("--resume_from_checkpoint", default=None)
@@ -54,7 +55,8 @@ def main(argv=None) -> dict:
     training_args = TrainingArguments(
         output_dir=args.output_dir, num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.lr, warmup_steps=args.warmup_steps, max_grad_norm=args.max_grad_norm,
+        learning_rate=args.lr, warmup_steps=args.warmup_steps, lr_scheduler_type=args.lr_scheduler_type,
+        max_grad_norm=args.max_grad_norm,
         logging_steps=args.logging_steps, eval_strategy="epoch", save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500, seed=args.seed, bf16=args.bf16, report_to=args.report_to or "none",
         use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True,
