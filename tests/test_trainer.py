@@ -94,6 +94,28 @@ def test_aqsgd_with_dynamic_padding_and_save(tmp_path):
         torch.testing.assert_close(reloaded.get_parameter(name), p.detach(), rtol=0, atol=0)
 
 
+def test_in_process_resume_continues_exactly(tmp_path):
+    """One process, AQ-SGD: 6 steps straight == 2 steps, checkpoint, a new trainer, resume, 4 more
+    (steps 5-6 revisit samples: the memory comes back from actcomp_state/)."""
+    plan = Plan(num_stages=2, forward=Compression("aqsgd", bits=4), backward=Compression("quantize", bits=8))
+
+    def run(name, resume=None):
+        model = debug_model("gpt2", seed=0)
+        args = training_args(str(tmp_path / name), max_steps=6, save_strategy="steps", save_steps=2)
+        trainer = ActCompTrainer(model=model, args=args, plan=plan, train_dataset=ragged_dataset(),
+                                 data_collator=pad_collator)
+        trainer.train(resume_from_checkpoint=resume)
+        return _logged(trainer, "loss"), {n: p.detach() for n, p in model.named_parameters()}
+
+    losses, weights = run("straight")
+    checkpoint = tmp_path / "straight" / "checkpoint-2"
+    assert (checkpoint / "actcomp_state" / "rank0.safetensors").is_file()
+    resumed_losses, resumed_weights = run("resumed", str(checkpoint))
+    assert resumed_losses == losses
+    for name, value in weights.items():
+        torch.testing.assert_close(resumed_weights[name], value, rtol=0, atol=0, msg=name)
+
+
 def test_pad_to_length_changes_no_loss_or_gradient():
     model = debug_model("llama", seed=0)
     rows = [ragged_dataset()[i] for i in range(4)]
