@@ -1,5 +1,6 @@
 """hf-actcomp: communication-compressed pipeline training of Hugging Face decoder models."""
 
+from . import hub, trackers
 from .codecs import available_codecs, make_codec
 from .data import add_sample_ids
 from .inference import CompressedInference, compressed_inference
@@ -26,9 +27,11 @@ __all__ = [
     "available_codecs",
     "compressed_inference",
     "get_adapter",
+    "hub",
     "make_codec",
     "prepare",
     "register_adapter",
     "simulate",
     "supported_model_types",
+    "trackers",
 ]

@@ -85,12 +85,25 @@ class CompressedInference:
         self.remove()
 
 
-def compressed_inference(model: nn.Module, plan: Plan) -> CompressedInference:
+def compressed_inference(model: nn.Module, plan: Plan | None = None) -> CompressedInference:
     """Apply the plan's forward compression (its inference form) at every stage boundary of `model`.
 
-    AQ-SGD, which has no memory for new inputs, uses its inner codec (`Compression.inference=
-    "direct"`) or nothing (`"none"`); error feedback is dropped.
+    Without `plan`, the plan saved with the model (`actcomp_config.json` next to its weights,
+    locally or on the Hub) is used. AQ-SGD, which has no memory for new inputs, uses its inner
+    codec (`Compression.inference="direct"`) or nothing (`"none"`); error feedback is dropped.
     """
+    if plan is None:
+        source = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
+        try:
+            plan = Plan.from_pretrained(source) if source else None
+        except FileNotFoundError:
+            plan = None
+        if plan is None:
+            raise ValueError(
+                f"compressed_inference: no plan was given and none was saved with the model (looked for "
+                f"actcomp_config.json in {source or 'nothing: the model was not loaded with from_pretrained'}). "
+                "Pass plan=hf_actcomp.Plan(...) or Plan.from_pretrained(dir)."
+            )
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a hf_actcomp.Plan, got {type(plan).__name__}.")
     return CompressedInference(model, plan)

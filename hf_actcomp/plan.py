@@ -339,11 +339,30 @@ class Plan:
         return path
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike) -> Plan:
-        """Read `actcomp_config.json` from `directory`."""
-        path = os.path.join(directory, CONFIG_NAME)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"No {CONFIG_NAME} in {directory!s}.")
+    def from_pretrained(cls, name_or_path: str | os.PathLike, **hub_kwargs: Any) -> Plan:
+        """Read `actcomp_config.json` from a local directory, or from a Hub model repo
+        (`huggingface_hub.hf_hub_download`, which uses the local cache and `HF_HUB_OFFLINE`).
+        `hub_kwargs` (revision, token, cache_dir, ...) go to `hf_hub_download`."""
+        path = os.path.join(name_or_path, CONFIG_NAME)
+        if os.path.isdir(name_or_path):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"No {CONFIG_NAME} in {name_or_path!s}.")
+        else:
+            from huggingface_hub import hf_hub_download
+            from huggingface_hub.errors import (
+                EntryNotFoundError,
+                HFValidationError,
+                LocalEntryNotFoundError,
+                RepositoryNotFoundError,
+            )
+
+            try:
+                path = hf_hub_download(os.fspath(name_or_path), CONFIG_NAME, **hub_kwargs)
+            except (EntryNotFoundError, HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError) as err:
+                raise FileNotFoundError(
+                    f"No {CONFIG_NAME} for {name_or_path!s}: not a local directory, and the Hub (or its cache) "
+                    f"has no such file ({type(err).__name__})."
+                ) from err
         return cls.from_json_string(open(path, encoding="utf-8").read())
 
 

@@ -29,12 +29,15 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker, speed_metrics
 
+from . import hub
 from .data import SAMPLE_ID, add_sample_ids
+from .models import unwrap_peft
 from .pipeline import prepare
 from .pipeline.batching import count_label_tokens
 from .pipeline.checkpointing import COMPRESSION_STATE_DIR
 from .plan import Plan
 from .simulate import simulate
+from .trackers import check_trackers
 
 OPTIMIZER_FILE = "optimizer-rank{rank}.pt"
 SCHEDULER_FILE = "scheduler.pt"
@@ -214,13 +217,15 @@ class ActCompTrainer(Trainer):
 
     def communication_logs(self) -> dict[str, float]:
         """`comm/*` entries: bytes sent (all traffic between ranks, this pipeline), compression
-        ratio, relative error per boundary direction and, distributed, each stage's seconds
-        computing vs waiting. Collective over the pipeline when distributed."""
+        ratio, bytes sent and relative error per boundary direction (cumulative) and,
+        distributed, each stage's seconds computing vs waiting. Collective over the pipeline
+        when distributed."""
         stats = self.pipe.stats(gather=True) if self.pipe is not None else self.sim.stats()
         logs = {"comm/bytes_sent": stats["bytes_sent"], "comm/bytes_uncompressed": stats["bytes_uncompressed"],
                 "comm/compression_ratio": stats["compression_ratio"]}
-        for name, error in stats["relative_error"].items():
-            logs[f"comm/{name}/relative_error"] = error
+        for name, channel in stats["channels"].items():
+            logs[f"comm/{name}/bytes_sent"] = channel["bytes_sent"]
+            logs[f"comm/{name}/relative_error"] = channel["relative_error"]
         for stage, timing in stats.get("stages", {}).items():
             logs[f"comm/stage{stage}/seconds_computing"] = timing["seconds_computing"]
             logs[f"comm/stage{stage}/seconds_waiting"] = timing["seconds_waiting"]
@@ -286,12 +291,36 @@ class ActCompTrainer(Trainer):
             super().save_model(output_dir, _internal_call)
             if self.args.should_save:
                 self.plan.save_pretrained(output_dir)
+                self._save_run(output_dir, self.sim.stats(), self.sim.ranges)
             return
         self.pipe.save_pretrained(output_dir, model=self.model)
+        stats = self.pipe.stats(gather=True)  # collective
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+            self._save_run(output_dir, stats, self.pipe.ranges)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_run(self, output_dir: str, stats: dict, ranges: list[range]) -> None:
+        """Results, curves and model card next to the saved model (`hf_actcomp.hub`)."""
+        evaluations = [h for h in self.state.log_history if "eval_loss" in h]
+        base = unwrap_peft(self.model)
+        hub.save_run(output_dir, stats=stats, metrics=evaluations[-1] if evaluations else {},
+                     log_history=self.state.log_history, blocks=[[r.start, r.stop] for r in ranges],
+                     base_model=getattr(base, "name_or_path", None), steps=self.state.global_step)
+
+    def create_model_card(self, language: str | None = None, license: str | None = None, tags=None,
+                          model_name: str | None = None, finetuned_from: str | None = None, tasks=None,
+                          dataset_tags=None, dataset=None, dataset_args=None, **kwargs) -> None:
+        """The hf-actcomp card (plan, measured traffic, eval with and without the codec, how to
+        load it) instead of Trainer's; `push_to_hub` calls it before uploading."""
+        if not self.is_world_process_zero():
+            return
+        datasets_ = dataset_tags or dataset
+        hub.write_model_card(self.args.output_dir, repo_id=getattr(self, "hub_model_id", None),
+                             base_model=finetuned_from, datasets=datasets_)
 
     def _save_checkpoint(self, model, trial) -> None:
         super()._save_checkpoint(model, trial)
@@ -358,6 +387,7 @@ def _check_arguments(args: TrainingArguments, plan: Plan, kwargs: dict[str, Any]
     if args.label_smoothing_factor:
         raise ValueError("ActCompTrainer does not support label_smoothing_factor: the last stage computes the "
                          "model's own loss.")
+    check_trackers(args.report_to)
     world = args.world_size
     if world != 1 and world != plan.world_size:
         raise ValueError(

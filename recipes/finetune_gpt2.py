@@ -66,7 +66,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--max_train_samples", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="outputs/finetune_gpt2")
-    p.add_argument("--report_to", default=None, help="an Accelerate tracker (tensorboard, wandb, ...)")
+    p.add_argument("--report_to", default=None, help="a tracker (tensorboard, wandb, ...); fails at once if missing")
+    p.add_argument("--logging_steps", type=int, default=10, help="record losses and bytes for the curves every N steps")
+    p.add_argument("--push_to_hub", action="store_true", help="upload the saved model, card and curves to the Hub")
+    p.add_argument("--hub_model_id", default=None, help="the Hub repo to push to, e.g. user/model")
+    p.add_argument("--hub_private_repo", action="store_true")
     return p
 
 
@@ -150,8 +154,16 @@ def evaluate_pipeline(pipe, loader) -> float:
     return total / max(count, 1)
 
 
+def check_hub_args(args) -> None:
+    """Before any work: a push needs a repo id, and every requested tracker must be installed."""
+    hf_actcomp.trackers.check_trackers(args.report_to)
+    if args.push_to_hub and not args.hub_model_id:
+        raise ValueError("--push_to_hub needs --hub_model_id (e.g. your-name/gpt2-aqsgd).")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    check_hub_args(args)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=args.report_to,
                               project_dir=args.output_dir)
     set_seed(args.seed)
@@ -202,6 +214,7 @@ def main(argv=None) -> dict:
         runner.reset_stats()
 
     step = 0
+    history: list[dict] = []  # for the curves next to the model
     progress = tqdm(total=args.epochs * len(train_loader), disable=not accelerator.is_local_main_process)
     for epoch in range(args.epochs):
         for batch in train_loader:
@@ -220,6 +233,10 @@ def main(argv=None) -> dict:
             progress.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", ratio=f"{stats['compression_ratio']:.1f}x")
             accelerator.log({"train/loss": loss.item(), "comm/bytes_sent": stats["bytes_sent"],
                              "comm/compression_ratio": stats["compression_ratio"]}, step=step)
+            if step % args.logging_steps == 0:
+                gathered = runner.stats(gather=True) if distributed else stats  # collective when distributed
+                history.append({"step": step, "loss": loss.item(), "comm/bytes_sent": gathered["bytes_sent"],
+                                **{f"comm/{n}/bytes_sent": c["bytes_sent"] for n, c in gathered["channels"].items()}})
     progress.close()
 
     if distributed:
@@ -254,11 +271,19 @@ def main(argv=None) -> dict:
     elif accelerator.is_main_process:
         pipeline.model.save_pretrained(args.output_dir)
         plan.save_pretrained(args.output_dir)
+    history.append({"step": step, "eval_loss": eval_loss})
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         with open(os.path.join(args.output_dir, "results.json"), "w") as f:
             json.dump(result, f, indent=2)
+        datasets = None if args.dataset == "offline" else args.dataset
+        hf_actcomp.hub.save_run(args.output_dir, stats=stats,
+                                metrics={"eval_loss": eval_loss, "eval_perplexity": result["perplexity"]},
+                                log_history=history, blocks=[[r.start, r.stop] for r in pipeline.ranges],
+                                base_model=None if args.model == "offline-gpt2" else args.model, datasets=datasets)
         accelerator.print(json.dumps(result, indent=2))
+        if args.push_to_hub:
+            hf_actcomp.hub.push_to_hub(args.output_dir, args.hub_model_id, private=args.hub_private_repo)
     return result
 
 

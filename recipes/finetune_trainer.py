@@ -17,7 +17,7 @@ import os
 
 import torch
 import yaml
-from finetune_gpt2 import build_model, build_parser, load_data, load_plan
+from finetune_gpt2 import build_model, build_parser, check_hub_args, load_data, load_plan
 from transformers import AutoTokenizer, TrainingArguments, default_data_collator, set_seed
 
 import hf_actcomp
@@ -31,7 +31,6 @@ def parse_args(argv=None):
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--warmup_steps", type=int, default=10)
     p.add_argument("--lr_scheduler_type", default="linear", help="any of TrainingArguments' (linear, constant, cosine, ...)")
-    p.add_argument("--logging_steps", type=int, default=10)
     p.add_argument("--save_steps", type=int, default=None, help="write a checkpoint every N optimizer steps")
     p.add_argument("--resume_from_checkpoint", default=None)
     p.add_argument("--bf16", action="store_true", help="compute in bfloat16 (autocast)")
@@ -42,6 +41,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    check_hub_args(args)
     set_seed(args.seed)
     tokenizer = None if args.model == "offline-gpt2" else AutoTokenizer.from_pretrained(args.model)
     tokenizer, train, evaluation = load_data(args, tokenizer)
@@ -60,6 +60,7 @@ def main(argv=None) -> dict:
         logging_steps=args.logging_steps, eval_strategy="epoch", save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500, seed=args.seed, bf16=args.bf16, report_to=args.report_to or "none",
         use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True,
+        push_to_hub=args.push_to_hub, hub_model_id=args.hub_model_id, hub_private_repo=args.hub_private_repo,
     )
     trainer = hf_actcomp.ActCompTrainer(model=model, args=training_args, plan=plan, train_dataset=train,
                                         eval_dataset=evaluation, data_collator=default_data_collator,
@@ -74,6 +75,8 @@ def main(argv=None) -> dict:
         with open(os.path.join(args.output_dir, "results.json"), "w") as f:
             json.dump(result, f, indent=2)
         print(json.dumps(result, indent=2))
+    if args.push_to_hub:
+        trainer.push_to_hub(commit_message="End of training")  # collective; rank 0 uploads
     return result
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from .. import checkpoint
+from .. import checkpoint, hub
 from ..boundary import prefixed, unprefixed
 from ..models import unwrap_peft
 
@@ -79,6 +79,7 @@ def save_pretrained(pipe: Pipeline, save_directory: str | os.PathLike, model: nn
            if p.requires_grad or not adapter_only}
     parts: list = [None] * pipe.mesh.num_stages
     dist.all_gather_object(parts, own, group=pipe.group)
+    stats = pipe.stats(gather=True)  # collective: every rank, before rank 0 writes
     if pipe.mesh.rank == 0:  # stage 0 of replica 0: the replicas hold the same weights
         if model is None:
             raise ValueError("save_pretrained needs the model passed to prepare(), for its class and config.")
@@ -92,6 +93,8 @@ def save_pretrained(pipe: Pipeline, save_directory: str | os.PathLike, model: nn
                     base.get_parameter(first).copy_(parts[-1][later])
         model.save_pretrained(save_directory, **kwargs)
         pipe.plan.save_pretrained(save_directory)
+        hub.save_run(save_directory, stats=stats, blocks=[[r.start, r.stop] for r in pipe.ranges],
+                     base_model=getattr(base, "name_or_path", None))
         free_other_parameters(base, pipe.stage)
     dist.barrier(group=pipe.group)
 

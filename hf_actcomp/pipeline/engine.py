@@ -473,6 +473,29 @@ class Pipeline(nn.Module):
         """
         checkpointing.save_pretrained(self, save_directory, model, **kwargs)
 
+    def push_to_hub(self, repo_id: str, model: nn.Module | None = None, *, save_directory: str | None = None,
+                    private: bool | None = None, token: str | bool | None = None,
+                    commit_message: str = "Upload model trained with hf-actcomp") -> None:
+        """Save (`save_pretrained`, with the model card) and upload to the Hub repo `repo_id`.
+        Collective: call on every rank; rank 0 uploads (`hf_actcomp.hub.push_to_hub`). Without
+        `save_directory` the folder is a temporary one."""
+        import tempfile
+
+        from .. import hub
+
+        with tempfile.TemporaryDirectory(prefix="hf_actcomp_push_") as tmp:
+            directory = save_directory or tmp
+            self.save_pretrained(directory, model=model)
+            error = None
+            if self.mesh.rank == 0:
+                try:
+                    hub.push_to_hub(directory, repo_id, private=private, token=token, commit_message=commit_message)
+                except Exception as err:  # every rank must leave the barrier, then rank 0 re-raises
+                    error = err
+            dist.barrier(group=self.group)
+            if error is not None:
+                raise error
+
     def load_stage_weights(self, directory: str | os.PathLike) -> None:
         """Load this stage's parameters from a `save_pretrained` directory, reading only its own
         tensors (for a PEFT pipeline: its adapter weights from `adapter_model.safetensors`)."""

@@ -1,0 +1,273 @@
+"""The `hf-actcomp` command: inspect a saved run, estimate a plan's traffic, re-render a card.
+
+    hf-actcomp inspect DIR
+    hf-actcomp estimate --model NAME_OR_CONFIG --plan plan.yaml --batch-size 8 --seq-len 1024 --link 100mbit
+    hf-actcomp card DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import sys
+
+import torch
+from safetensors import safe_open
+
+from . import hub
+from .codecs import make_codec
+from .feedback import build_codec
+from .memory import MemoryStore
+from .pipeline.checkpointing import COMPRESSION_STATE_DIR
+from .plan import CONFIG_NAME, MemoryConfig, Plan
+
+_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"hf-actcomp {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-actcomp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("inspect", help="the plan, each rank's compression state and the card of a saved run",
+                       description="Show the plan (actcomp_config.json), every rank's compression state (tensor "
+                                   "sizes, how full the AQ-SGD memory is, error-feedback norms), the measured "
+                                   "traffic and the model card's metadata of a saved run or checkpoint.")
+    p.add_argument("directory", help="a folder written by save_pretrained / ActCompTrainer (or a checkpoint)")
+    p.set_defaults(run=inspect_command)
+
+    p = sub.add_parser("estimate", help="bytes, AQ-SGD memory and link time per step of a plan, before training",
+                       description="For each stage boundary and direction: the bytes one optimizer step sends, "
+                                   "the AQ-SGD memory and where it lives, and the time on the link. With "
+                                   "--compute-seconds, the expected speed-up over sending uncompressed (assuming "
+                                   "communication does not overlap computation).")
+    p.add_argument("--model", required=True, help="a model name or directory (its config.json), or a config JSON file")
+    p.add_argument("--plan", required=True, help="plan YAML/JSON file, or a directory with actcomp_config.json")
+    p.add_argument("--batch-size", type=int, required=True, help="rows per optimizer step (per replica)")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per row")
+    p.add_argument("--link", default="100mbit", help="link rate, e.g. 50mbit, 100mbit, 1gbit, 10gbps (default 100mbit)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of the activations sent")
+    p.add_argument("--num-samples", type=int, default=None, help="training rows (AQ-SGD memory), if the plan has none")
+    p.add_argument("--compute-seconds", type=float, default=None, help="measured compute seconds per step")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=estimate_command)
+
+    p = sub.add_parser("card", help="re-render README.md (the model card) from a run's saved results",
+                       description="Render the model card of DIR again from actcomp_config.json, "
+                                   "actcomp_results.json and the model's config, and write DIR/README.md.")
+    p.add_argument("directory")
+    p.add_argument("--repo-id", default=None, help="the Hub repo the card will live in (used in the snippets)")
+    p.add_argument("--base-model", default=None, help="the Hub model it was fine-tuned from")
+    p.add_argument("--dataset", action="append", default=None, help="a Hub dataset it was trained on (repeatable)")
+    p.set_defaults(run=card_command)
+    return parser
+
+
+# ----------------------------------------------------------------------------- inspect
+def inspect_command(args: argparse.Namespace) -> int:
+    directory = args.directory
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{directory} is not a directory.")
+    if os.path.isfile(os.path.join(directory, CONFIG_NAME)):
+        plan = Plan.from_pretrained(directory)
+        print(f"plan ({CONFIG_NAME}):")
+        for line in plan.to_yaml_string().strip().splitlines():
+            print(f"  {line}")
+    else:
+        print(f"plan: no {CONFIG_NAME} in {directory}")
+    state_dir = os.path.join(directory, COMPRESSION_STATE_DIR)
+    state_dir = state_dir if os.path.isdir(state_dir) else directory
+    ranks = sorted(glob.glob(os.path.join(state_dir, "rank*.json")))
+    print(f"\ncompression state ({len(ranks)} rank(s) in {state_dir}):" if ranks else "\ncompression state: none saved")
+    for path in ranks:
+        for line in describe_rank_state(path):
+            print(f"  {line}")
+    results = hub.load_results(directory)
+    stats = results.get("stats") or {}
+    if stats.get("bytes_sent"):
+        print(f"\nmeasured traffic: {stats['bytes_sent']:,} bytes sent, {stats['bytes_uncompressed']:,} uncompressed "
+              f"({stats['compression_ratio']:.2f}x)")
+        for name, c in sorted((stats.get("channels") or {}).items()):
+            print(f"  {name}: {c['bytes_sent']:,} bytes ({c['compression_ratio']:.2f}x), "
+                  f"relative error {c['relative_error']:.4f}")
+    card_path = os.path.join(directory, hub.CARD_NAME)
+    if os.path.isfile(card_path):
+        from huggingface_hub import ModelCard
+
+        data = ModelCard.load(card_path).data.to_dict()
+        print("\nmodel card metadata:")
+        for key in ("library_name", "base_model", "datasets", "pipeline_tag", "tags"):
+            if data.get(key):
+                print(f"  {key}: {data[key]}")
+        for entry in data.get("model-index", []):
+            for result in entry.get("results", []):
+                for metric in result.get("metrics", []):
+                    print(f"  {metric.get('name', metric['type'])}: {metric['value']}")
+    return 0
+
+
+def describe_rank_state(meta_path: str) -> list[str]:
+    """One rank's saved compression state: its tensors by size, AQ-SGD fill, feedback norms."""
+    with open(meta_path, encoding="utf-8") as f:
+        meta = json.load(f)
+    lines = [f"rank {meta['rank']}: stage {meta['stage']}, blocks {meta['blocks']}, world size {meta['world_size']}"]
+    folder = os.path.dirname(meta_path)
+    for filename in meta["files"]:
+        with safe_open(os.path.join(folder, filename), framework="pt") as f:
+            for name in sorted(f.keys()):
+                part = f.get_slice(name)
+                shape, dtype = part.get_shape(), part.get_dtype()
+                numel = math.prod(shape)
+                line = f"  {name}: {dtype} {list(shape)} ({_size(numel * _itemsize(dtype))})"
+                if name.endswith("memory.seen"):
+                    seen = f.get_tensor(name)
+                    line += f", AQ-SGD memory {int(seen.sum())}/{seen.numel()} samples filled ({seen.float().mean():.0%})"
+                elif re.search(r"\.(error|estimate)\.\d+$", name):
+                    line += f", norm {f.get_tensor(name).float().norm():.4g}"
+                lines.append(line)
+    return lines
+
+
+def _itemsize(dtype: str) -> float:
+    return {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+            "BOOL": 1}.get(dtype, 4)
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return ""  # pragma: no cover
+
+
+# ----------------------------------------------------------------------------- estimate
+def parse_link(text: str) -> float:
+    """'100mbit' -> 1e8 bits per second (tc's units: kbit, mbit, gbit; kbps, mbps, gbps are bytes)."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]+)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if unit not in _UNITS:
+        raise ValueError(f"--link {text!r} is not a rate; use a number and one of {', '.join(_UNITS)} (e.g. 100mbit).")
+    return float(match.group(1)) * _UNITS[unit]
+
+
+def load_config(name_or_path: str):
+    from transformers import AutoConfig
+
+    if os.path.isfile(name_or_path):
+        with open(name_or_path, encoding="utf-8") as f:
+            data = json.load(f)
+        return AutoConfig.for_model(data.pop("model_type"), **data)
+    return AutoConfig.from_pretrained(name_or_path)
+
+
+def load_plan_file(path: str) -> Plan:
+    if os.path.isdir(path):
+        return Plan.from_pretrained(path)
+    return Plan.from_file(path)
+
+
+def estimate(config, plan: Plan, batch_size: int, seq_len: int, link_bits_per_second: float,
+             dtype: torch.dtype = torch.float32, num_samples: int | None = None,
+             compute_seconds: float | None = None) -> dict:
+    """Bytes per optimizer step of every boundary direction, the AQ-SGD memory, and link time."""
+    hidden = int(config.hidden_size)
+    micro = plan.micro_batches
+    if batch_size < micro:
+        raise ValueError(f"--batch-size {batch_size} is smaller than the plan's {micro} micro-batches.")
+    rows = [len(part) for part in torch.arange(batch_size).tensor_split(micro)]
+    raw = batch_size * seq_len * hidden * torch.finfo(dtype).bits // 8
+
+    def step_bytes(codec) -> int:
+        return sum(codec.payload_nbytes((r, seq_len, hidden), dtype) for r in rows)
+
+    forward = step_bytes(build_codec(plan.forward))  # AQ-SGD: its inner codec on deltas (revisits)
+    first_epoch = forward
+    if plan.forward.method == "aqsgd" and plan.forward.first_visit == "full":
+        first_epoch = step_bytes(make_codec("none"))
+    backward = step_bytes(build_codec(plan.backward))
+    boundaries = []
+    for b in range(plan.num_stages - 1):
+        entry = {"boundary": b, "forward_bytes": forward, "backward_bytes": backward, "uncompressed_bytes": raw,
+                 "forward_ratio": raw / forward, "backward_ratio": raw / backward,
+                 "link_seconds": (forward + backward) * 8 / link_bits_per_second,
+                 "link_seconds_uncompressed": 2 * raw * 8 / link_bits_per_second}
+        if plan.forward.method == "aqsgd":
+            samples = num_samples or plan.memory.num_samples
+            if samples is None:
+                raise ValueError("AQ-SGD memory size needs the number of training rows: set memory.num_samples in "
+                                 "the plan or pass --num-samples.")
+            memory = MemoryConfig(store=plan.memory.store, dtype=plan.memory.dtype, num_samples=samples)
+            entry["first_epoch_forward_bytes"] = first_epoch
+            entry["aqsgd_memory_bytes"] = MemoryStore(samples, memory).nbytes_for((seq_len, hidden))
+            entry["aqsgd_memory_store"] = f"{plan.memory.store} of stage {b + 1}"
+        boundaries.append(entry)
+    total = sum(e["link_seconds"] for e in boundaries)
+    total_raw = sum(e["link_seconds_uncompressed"] for e in boundaries)
+    out = {"hidden_size": hidden, "batch_size": batch_size, "seq_len": seq_len, "micro_batches": micro,
+           "link_bits_per_second": link_bits_per_second, "boundaries": boundaries,
+           "link_seconds_per_step": total, "link_seconds_per_step_uncompressed": total_raw}
+    if getattr(config, "tie_word_embeddings", False) and plan.num_stages > 1:
+        # Rows of the batch's distinct tokens, values one way and gradients back (at most every token).
+        out["tied_embedding_bytes_at_most"] = 2 * batch_size * seq_len * hidden * 4
+    if compute_seconds is not None:
+        out["step_seconds"] = compute_seconds + total
+        out["step_seconds_uncompressed"] = compute_seconds + total_raw
+        out["expected_speedup"] = out["step_seconds_uncompressed"] / out["step_seconds"]
+    return out
+
+
+def estimate_command(args: argparse.Namespace) -> int:
+    config = load_config(args.model)
+    plan = load_plan_file(args.plan)
+    result = estimate(config, plan, args.batch_size, args.seq_len, parse_link(args.link), _DTYPES[args.dtype],
+                      args.num_samples, args.compute_seconds)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"plan: {plan.num_stages} stages, {plan.micro_batches} micro-batches, forward {plan.forward.describe()}, "
+          f"backward {plan.backward.describe()}; batch {args.batch_size} x {args.seq_len} tokens, hidden "
+          f"{result['hidden_size']}, {args.dtype}, link {args.link}")
+    print("| boundary | direction | bytes per step | ratio | AQ-SGD memory |")
+    print("|---|---|---|---|---|")
+    for e in result["boundaries"]:
+        memory = (f"{_size(e['aqsgd_memory_bytes'])} ({e['aqsgd_memory_store']})" if "aqsgd_memory_bytes" in e else "")
+        first = (f" (first epoch {_size(e['first_epoch_forward_bytes'])})" if "first_epoch_forward_bytes" in e else "")
+        print(f"| {e['boundary']} | forward | {_size(e['forward_bytes'])}{first} | {e['forward_ratio']:.2f}x | {memory} |")
+        print(f"| {e['boundary']} | backward | {_size(e['backward_bytes'])} | {e['backward_ratio']:.2f}x | |")
+    print(f"link time per step: {result['link_seconds_per_step']:.3f} s "
+          f"(uncompressed {result['link_seconds_per_step_uncompressed']:.3f} s; both directions, all boundaries)")
+    if "tied_embedding_bytes_at_most" in result:
+        print(f"tied embedding rows: at most {_size(result['tied_embedding_bytes_at_most'])} per step (fp32)")
+    if "expected_speedup" in result:
+        print(f"expected step time: {result['step_seconds']:.3f} s vs {result['step_seconds_uncompressed']:.3f} s "
+              f"uncompressed: {result['expected_speedup']:.2f}x (no overlap of communication and compute assumed)")
+    return 0
+
+
+# ----------------------------------------------------------------------------- card
+def card_command(args: argparse.Namespace) -> int:
+    card = hub.write_model_card(args.directory, repo_id=args.repo_id, base_model=args.base_model,
+                                datasets=args.dataset)
+    print(f"wrote {os.path.join(args.directory, hub.CARD_NAME)} ({len(card.text.splitlines())} lines; tags: "
+          f"{', '.join(card.data.tags or [])})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

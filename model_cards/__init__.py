@@ -1,0 +1,1 @@
+"""Model card templates (Jinja), shipped inside the package as `hf_actcomp.model_cards`."""

@@ -1,0 +1,114 @@
+"""The `hf-actcomp` command (inspect, estimate, card) and the tracker check."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from huggingface_hub import ModelCard
+from trainer_cases import pad_collator, ragged_dataset, training_args
+
+from hf_actcomp import ActCompTrainer, Compression, Plan, trackers
+from hf_actcomp.cli import main, parse_link
+from hf_actcomp.debug import debug_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A checkpoint of an in-process AQ-SGD run: weights, card, results and compression state."""
+    out = tmp_path_factory.mktemp("run")
+    plan = Plan(num_stages=2, forward=Compression("aqsgd", bits=4), backward=Compression("topk", ratio=0.3,
+                                                                                          feedback="ef"))
+    trainer = ActCompTrainer(model=debug_model("gpt2"), plan=plan,
+                             args=training_args(str(out), max_steps=4, save_strategy="steps", save_steps=4),
+                             train_dataset=ragged_dataset(), data_collator=pad_collator)
+    trainer.train()
+    return out / "checkpoint-4"
+
+
+def test_inspect(checkpoint, capsys):
+    assert main(["inspect", str(checkpoint)]) == 0
+    out = capsys.readouterr().out
+    assert "method: aqsgd" in out and "num_samples: 32" in out
+    # 4 steps x 8 rows = the whole data set once: every memory row filled.
+    assert "AQ-SGD memory 32/32 samples filled (100%)" in out
+    assert "boundary0.backward.sender.error.0: F32 [2, 12, 64]" in out and ", norm " in out
+    assert "measured traffic:" in out and "tags: ['hf-actcomp', 'pipeline-parallel', 'aq-sgd'" in out
+
+
+def test_inspect_missing_directory(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_estimate_bytes_and_time(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 4, "n_head": 4}))
+    plan = Plan(num_stages=3, micro_batches=4, forward=Compression("aqsgd", bits=4),
+                backward=Compression("quantize", bits=8))
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(plan.to_yaml_string())
+    args = ["estimate", "--model", str(tmp_path / "config.json"), "--plan", str(plan_path), "--batch-size", "8",
+            "--seq-len", "16", "--link", "10mbit", "--num-samples", "1000", "--compute-seconds", "0.5", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    raw = 8 * 16 * 64 * 4
+    assert len(result["boundaries"]) == 2
+    first = result["boundaries"][0]
+    assert first["uncompressed_bytes"] == raw and first["first_epoch_forward_bytes"] == raw  # first visit: full
+    # 4-bit codes plus one fp16 scale per group of 128 values, per micro-batch of 2 x 16 x 64.
+    per_micro = 2 * 16 * 64
+    assert first["forward_bytes"] == 4 * (per_micro * 4 // 8 + per_micro // 128 * 4)
+    assert first["link_seconds"] == pytest.approx((first["forward_bytes"] + first["backward_bytes"]) * 8 / 10e6)
+    assert first["aqsgd_memory_bytes"] == 1000 * 16 * 64 * 2 and first["aqsgd_memory_store"] == "host of stage 1"
+    assert result["expected_speedup"] == pytest.approx(
+        (0.5 + 2 * 2 * raw * 8 / 10e6) / (0.5 + result["link_seconds_per_step"]))
+    assert main(args[:-1]) == 0  # the table
+    assert "expected step time" in capsys.readouterr().out
+
+
+def test_estimate_errors(tmp_path, capsys):
+    with pytest.raises(ValueError, match="'fast' is not a rate"):
+        parse_link("fast")
+    assert parse_link("1gbit") == 1e9 and parse_link("50mbps") == 400e6
+    assert main(["estimate", "--model", str(tmp_path), "--plan", str(tmp_path), "--batch-size", "1",
+                 "--seq-len", "1"]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_card_rerenders(checkpoint, capsys):
+    os.remove(checkpoint / "README.md")
+    assert main(["card", str(checkpoint), "--repo-id", "me/model", "--dataset", "wikitext"]) == 0
+    card = ModelCard.load(checkpoint / "README.md")
+    assert card.data.datasets == ["wikitext"] and 'from_pretrained("me/model")' in card.text
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_console_script_help():
+    script = os.path.join(os.path.dirname(sys.executable), "hf-actcomp")
+    for command in ([], ["inspect"], ["estimate"], ["card"]):
+        proc = subprocess.run([script, *command, "--help"], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "usage: hf-actcomp" in proc.stdout
+
+
+def test_missing_tracker_fails_before_training(tmp_path, monkeypatch):
+    monkeypatch.setitem(trackers.TRACKERS, "tensorboard",
+                        (("no_such_module_for_test",), "pip install 'hf-actcomp[tensorboard]'"))
+    with pytest.raises(ImportError, match=r"'tensorboard' \(pip install 'hf-actcomp\[tensorboard\]'\)"):
+        trackers.check_trackers(["tensorboard", "none"])
+    trackers.check_trackers("none")
+    with pytest.raises(ImportError, match="hf-actcomp\\[tensorboard\\]"):
+        ActCompTrainer(model=debug_model("gpt2"), plan=Plan(num_stages=2),
+                       args=training_args(str(tmp_path), report_to="tensorboard"),
+                       train_dataset=ragged_dataset(), data_collator=pad_collator)
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    from finetune_gpt2 import check_hub_args, parse_args
+
+    with pytest.raises(ImportError, match="hf-actcomp\\[tensorboard\\]"):
+        check_hub_args(parse_args(["--report_to", "tensorboard"]))
+    with pytest.raises(ValueError, match="--push_to_hub needs --hub_model_id"):
+        check_hub_args(parse_args(["--push_to_hub"]))
