@@ -388,6 +388,9 @@ def _check_arguments(args: TrainingArguments, plan: Plan, kwargs: dict[str, Any]
         raise ValueError("ActCompTrainer does not support label_smoothing_factor: the last stage computes the "
                          "model's own loss.")
     check_trackers(args.report_to)
+    if args.push_to_hub and hub.hub_constants.HF_HUB_OFFLINE:
+        raise RuntimeError("TrainingArguments(push_to_hub=True) but HF_HUB_OFFLINE is set: unset it to upload, or "
+                           "train with push_to_hub=False and push the saved folder later (hf_actcomp.hub.push_to_hub).")
     world = args.world_size
     if world != 1 and world != plan.world_size:
         raise ValueError(

@@ -145,10 +145,10 @@ def evaluate_simulated(model, loader) -> float:
     return total / max(count, 1)
 
 
-def evaluate_pipeline(pipe, loader) -> float:
+def evaluate_pipeline(pipe, loader, compress: bool = True) -> float:
     total, count = 0.0, 0
     for batch in loader:
-        out = pipe.eval_step(batch)
+        out = pipe.eval_step(batch, compress=compress)
         total += out.loss.item() * out.num_tokens
         count += out.num_tokens
     return total / max(count, 1)
@@ -242,11 +242,14 @@ def main(argv=None) -> dict:
     if distributed:
         eval_loss = evaluate_pipeline(runner, eval_loader)
         stats = runner.stats(gather=True)
+        eval_plain_loss = evaluate_pipeline(runner, eval_loader, compress=False)  # the model without the codec
     else:
         eval_loss = evaluate_simulated(runner, eval_loader)
         stats = pipeline.stats()
+        eval_plain_loss = evaluate_simulated(pipeline.model, eval_loader)
     result = {
         "eval_loss": eval_loss,
+        "eval_plain_loss": eval_plain_loss,
         "initial_eval_loss": initial_eval_loss,
         "perplexity": math.exp(eval_loss),
         "steps": step,
@@ -271,14 +274,16 @@ def main(argv=None) -> dict:
     elif accelerator.is_main_process:
         pipeline.model.save_pretrained(args.output_dir)
         plan.save_pretrained(args.output_dir)
-    history.append({"step": step, "eval_loss": eval_loss})
+    history.append({"step": step, "eval_loss": eval_loss, "eval_plain_loss": eval_plain_loss})
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         with open(os.path.join(args.output_dir, "results.json"), "w") as f:
             json.dump(result, f, indent=2)
         datasets = None if args.dataset == "offline" else args.dataset
         hf_actcomp.hub.save_run(args.output_dir, stats=stats,
-                                metrics={"eval_loss": eval_loss, "eval_perplexity": result["perplexity"]},
+                                metrics={"eval_loss": eval_loss, "eval_perplexity": result["perplexity"],
+                                         "eval_plain_loss": eval_plain_loss,
+                                         "eval_plain_perplexity": math.exp(eval_plain_loss)},
                                 log_history=history, blocks=[[r.start, r.stop] for r in pipeline.ranges],
                                 base_model=None if args.model == "offline-gpt2" else args.model, datasets=datasets)
         accelerator.print(json.dumps(result, indent=2))

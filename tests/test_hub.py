@@ -141,3 +141,30 @@ def test_plan_saved_with_model_drives_compressed_inference(saved_run):
         assert inf.stats()["channels"]["boundary0.forward"]["messages"] == 1
     with pytest.raises(ValueError, match="no plan was given and none was saved"):
         hf_actcomp.compressed_inference(debug_model("gpt2"))
+
+
+def test_trainer_refuses_push_when_offline(tmp_path, monkeypatch):
+    monkeypatch.setattr(hub.hub_constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(RuntimeError, match="push_to_hub=True\\) but HF_HUB_OFFLINE is set"):
+        ActCompTrainer(model=debug_model("gpt2"), plan=Plan(num_stages=2),
+                       args=training_args(str(tmp_path), push_to_hub=True, hub_model_id="user/x"),
+                       train_dataset=ragged_dataset(), data_collator=pad_collator)
+
+
+def test_pipeline_push_to_hub(tmp_path, monkeypatch):
+    """`Pipeline.push_to_hub` saves (weights, plan, results, card) and uploads from rank 0; here a
+    one-process job with one stage."""
+    import torch.distributed as dist
+    from distributed import free_port
+
+    api = RecordingApi(monkeypatch)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = debug_model("gpt2")
+        pipe = hf_actcomp.prepare(model, Plan(num_stages=1, forward=Compression("quantize", bits=8)))
+        pipe.push_to_hub("user/piped", model=model, save_directory=str(tmp_path), private=False)
+    finally:
+        dist.destroy_process_group()
+    assert [c[0] for c in api.calls] == ["create_repo", "upload_folder"]
+    assert {"model.safetensors", "actcomp_config.json", "actcomp_results.json", "README.md"} <= set(os.listdir(tmp_path))
+    assert 'from_pretrained("user/piped")' in api.uploaded_card

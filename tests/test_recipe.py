@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from distributed import free_port
+from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM
 
 from hf_actcomp import Plan
@@ -41,6 +42,12 @@ def test_recipe_trains_saves_and_reloads(tmp_path, plan_file):
     assert plan.forward.method == "aqsgd" and plan.memory.num_samples == 32
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.n_layer == 4
+    # The card, results and curves of the run (#11): metadata and the measured boundary bytes.
+    card = ModelCard.load(out / "README.md")
+    assert {"hf-actcomp", "pipeline-parallel", "aq-sgd"} <= set(card.data.tags)
+    assert card.data.eval_results[0].metric_value == round(result["eval_loss"], 4)
+    assert "| boundary0.forward |" in card.text and (out / "training_curves.png").is_file()
+    assert abs(result["eval_plain_loss"] - result["eval_loss"]) < 0.1  # 4-bit direct at inference vs none
     # Training helped: the untrained model's loss on the same evaluation data (random init: about
     # ln 1024 = 6.93; the recipe evaluates it before the first step) drops clearly (by ~0.45).
     assert abs(result["initial_eval_loss"] - math.log(model.config.vocab_size)) < 0.1
