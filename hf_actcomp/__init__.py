@@ -1,6 +1,7 @@
 """hf-actcomp: communication-compressed pipeline training of Hugging Face decoder models."""
 
-from . import hub, trackers
+from typing import TYPE_CHECKING
+
 from .codecs import available_codecs, make_codec
 from .data import add_sample_ids
 from .inference import CompressedInference, compressed_inference
@@ -8,7 +9,10 @@ from .models import get_adapter, register_adapter, supported_model_types
 from .pipeline import PeerTimeoutError, Pipeline, StepOutput, prepare
 from .plan import Compression, MemoryConfig, Plan
 from .simulate import SimulatedPipeline, simulate
-from .trainer import ActCompTrainer
+
+if TYPE_CHECKING:
+    from . import hub, trackers
+    from .trainer import ActCompTrainer
 
 __version__ = "0.1.0"
 
@@ -35,3 +39,17 @@ __all__ = [
     "supported_model_types",
     "trackers",
 ]
+
+
+def __getattr__(name: str):
+    """Import the Trainer integration and the Hub helpers on first use: worker processes that
+    only run a pipeline do not pay for `transformers.Trainer`, `datasets` or the card renderer."""
+    if name == "ActCompTrainer":
+        from .trainer import ActCompTrainer
+
+        return ActCompTrainer
+    if name in ("hub", "trackers"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,8 +7,11 @@ network: the Python reference documentation that every CPython installation carr
 
 from __future__ import annotations
 
-import datasets
-from transformers import PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedTokenizerFast
 
 SAMPLE_ID = "sample_id"
 
@@ -18,6 +21,8 @@ def add_sample_ids(dataset: datasets.Dataset, column: str = SAMPLE_ID) -> datase
 
     Add ids before shuffling or sharding so that every row keeps its own id.
     """
+    import datasets
+
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"add_sample_ids expects a datasets.Dataset, got {type(dataset).__name__}.")
     if column in dataset.column_names:
@@ -35,6 +40,7 @@ def offline_corpus() -> list[str]:
 def build_tokenizer(texts: list[str], vocab_size: int = 1024) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on `texts` (seconds, no download)."""
     from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=["<|endoftext|>"],
@@ -70,6 +76,8 @@ def causal_lm_datasets(
     train_blocks, eval_blocks = blocks[:-num_eval], blocks[-num_eval:]
     if max_train_samples is not None:
         train_blocks = train_blocks[:max_train_samples]
+
+    import datasets
 
     def to_dataset(rows: list[list[int]]) -> datasets.Dataset:
         return datasets.Dataset.from_dict(

@@ -2,7 +2,7 @@
 
 import torch
 
-from hf_actcomp import Compression, MemoryConfig, Plan
+from hf_actcomp import Compression, MemoryConfig, Plan, get_adapter
 
 NUM_SAMPLES = 16
 
@@ -37,3 +37,23 @@ COMPRESSED_PLANS = {
         num_stages=2, micro_batches=2, schedule=schedule,
         forward=Compression("topk", ratio=0.1, feedback="ef"), backward=Compression("quantize", bits=8)),
 }
+
+
+def tie_partners(model) -> dict[str, str]:
+    """Both names of every tied parameter, each mapped to the other."""
+    pairs = get_adapter(model).tied_weights()
+    return {a: b for later, first in pairs for a, b in ((later, first), (first, later))}
+
+
+def check_stage_grads(got: dict, ref_grads: dict, partners: dict, what: str, seen: set) -> None:
+    """Each stage's gradients equal the unsplit model's; a stage without a gradient for a
+    parameter is only allowed for the first stage's copy of a tied embedding."""
+    for key, grad in got.items():
+        if key.startswith("grad."):
+            name = key[5:]
+            torch.testing.assert_close(grad, ref_grads[name].grad, atol=1e-5, rtol=1e-4,
+                                       msg=lambda m, n=f"{what}/{name}": f"{n}: {m}")
+            seen.add(name)
+            seen.add(partners.get(name, name))
+        elif key.startswith("nograd."):
+            assert key[7:] in partners, f"{what}: {key[7:]} has no gradient"

@@ -88,11 +88,14 @@ def test_card_rerenders(checkpoint, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
-def test_console_script_help():
-    script = os.path.join(os.path.dirname(sys.executable), "hf-actcomp")
-    for command in ([], ["inspect"], ["estimate"], ["card"]):
-        proc = subprocess.run([script, *command, "--help"], capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0 and "usage: hf-actcomp" in proc.stdout
+def test_console_script_and_help(capsys):
+    script = os.path.join(os.path.dirname(sys.executable), "hf-actcomp")  # installed by pyproject's [project.scripts]
+    proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage: hf-actcomp" in proc.stdout
+    for command in ("inspect", "estimate", "card"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--help"])
+        assert exit_info.value.code == 0 and f"usage: hf-actcomp {command}" in capsys.readouterr().out
 
 
 def test_missing_tracker_fails_before_training(tmp_path, monkeypatch):

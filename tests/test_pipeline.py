@@ -6,32 +6,18 @@ import json
 import pytest
 import torch
 from distributed import run_workers
-from pipeline_cases import COMPRESSED_PLANS, padded_batch, training_batches
+from pipeline_cases import (
+    COMPRESSED_PLANS,
+    check_stage_grads,
+    padded_batch,
+    tie_partners,
+    training_batches,
+)
 from safetensors.torch import load_file
 
-from hf_actcomp import get_adapter, simulate
+from hf_actcomp import simulate
 from hf_actcomp.debug import DEBUG_FAMILIES, debug_model
 from hf_actcomp.pipeline import stage_actions
-
-
-def tie_partners(model) -> dict[str, str]:
-    """Both names of every tied parameter, each mapped to the other."""
-    pairs = get_adapter(model).tied_weights()
-    return {a: b for later, first in pairs for a, b in ((later, first), (first, later))}
-
-
-def check_stage_grads(got: dict, ref_grads: dict, partners: dict, what: str, seen: set) -> None:
-    """Each stage's gradients equal the unsplit model's; a stage without a gradient for a
-    parameter is only allowed for the first stage's copy of a tied embedding."""
-    for key, grad in got.items():
-        if key.startswith("grad."):
-            name = key[5:]
-            torch.testing.assert_close(grad, ref_grads[name].grad, atol=1e-5, rtol=1e-4,
-                                       msg=lambda m, n=f"{what}/{name}": f"{n}: {m}")
-            seen.add(name)
-            seen.add(partners.get(name, name))
-        elif key.startswith("nograd."):
-            assert key[7:] in partners, f"{what}: {key[7:]} has no gradient"
 
 
 @pytest.mark.parametrize("num_stages", [2, 3])

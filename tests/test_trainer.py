@@ -148,7 +148,7 @@ def test_pad_to_length_changes_no_loss_or_gradient():
 )
 def test_refused_before_training(name, value, message):
     args = SimpleNamespace(deepspeed=None, fsdp=None, fp16=False, torch_compile=False, gradient_checkpointing=False,
-                           label_smoothing_factor=0.0, world_size=1)
+                           label_smoothing_factor=0.0, world_size=1, report_to=[], push_to_hub=False)
     setattr(args, name, value)
     with pytest.raises(ValueError, match=message):
         _check_arguments(args, Plan(num_stages=2), {})
@@ -156,7 +156,7 @@ def test_refused_before_training(name, value, message):
 
 def test_refuses_optimizer_from_outside_with_several_processes():
     args = SimpleNamespace(deepspeed=None, fsdp=None, fp16=False, torch_compile=False, gradient_checkpointing=False,
-                           label_smoothing_factor=0.0, world_size=2)
+                           label_smoothing_factor=0.0, world_size=2, report_to=[], push_to_hub=False)
     with pytest.raises(ValueError, match="does not take optimizers="):
         _check_arguments(args, Plan(num_stages=2), {"optimizers": (torch.optim.SGD([torch.zeros(1)], lr=1), None)})
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING
 
@@ -11,9 +10,10 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from .. import checkpoint, hub
+from .. import checkpoint
 from ..boundary import prefixed, unprefixed
 from ..models import unwrap_peft
+from .loading import assign_parameters, weight_files
 
 if TYPE_CHECKING:
     from .engine import Pipeline
@@ -72,7 +72,7 @@ def register_for_checkpointing(pipe: Pipeline, accelerator) -> None:
 def save_pretrained(pipe: Pipeline, save_directory: str | os.PathLike, model: nn.Module | None, **kwargs) -> None:
     """Gather every stage's parameters on rank 0 and write one Transformers checkpoint; for a
     `peft.PeftModel`, gather and write the adapter (trainable) weights only."""
-    model = model if model is not None else pipe.peft_model
+    model = model if model is not None else pipe.model
     base = unwrap_peft(model) if model is not None else None
     adapter_only = base is not model
     own = {name: p.detach().cpu() for name, p in pipe.stage.named_parameters()
@@ -91,6 +91,8 @@ def save_pretrained(pipe: Pipeline, save_directory: str | os.PathLike, model: nn
             for later, first in pipe.tied_pairs:
                 if later in parts[-1] and first in full:
                     base.get_parameter(first).copy_(parts[-1][later])
+        from .. import hub  # the card renderer, only when saving
+
         model.save_pretrained(save_directory, **kwargs)
         pipe.plan.save_pretrained(save_directory)
         hub.save_run(save_directory, stats=stats, blocks=[[r.start, r.stop] for r in pipe.ranges],
@@ -110,9 +112,9 @@ def free_other_parameters(model: nn.Module, stage: nn.Module) -> None:
 
 def restore_parameters(model: nn.Module, tensors: dict[str, torch.Tensor], require_all: bool = True) -> None:
     """Refill freed parameters from `tensors` (by name); with `require_all`, none may stay empty."""
-    for name, p in model.named_parameters():
-        if p.numel() == 0 and name in tensors:  # freed here, held by another stage
-            p.data = tensors[name].to(p.dtype)
+    freed = {name: tensors[name].to(p.dtype) for name, p in model.named_parameters(remove_duplicate=False)
+             if p.numel() == 0 and name in tensors}  # freed here, held by another stage
+    assign_parameters(model, freed)
     missing = [n for n, p in model.named_parameters() if p.numel() == 0]
     if missing and require_all:
         raise RuntimeError(f"Parameters missing from every stage: {missing[:5]}")
@@ -129,7 +131,7 @@ def load_stage_weights(pipe: Pipeline, directory: str | os.PathLike) -> None:
         files = dict.fromkeys(wanted.values(), os.path.join(directory, "adapter_model.safetensors"))
     else:
         aliases = dict(pipe.tied_pairs)  # a tied head is stored once, under the input embedding's name
-        files = _weight_files(directory)
+        files = weight_files(directory)
         wanted = {name: name if name in files else aliases.get(name, name) for name in params}
     missing = sorted(key for key in wanted.values() if key not in files)
     if missing:
@@ -148,17 +150,3 @@ def _peft_key(name: str, adapter_name: str) -> str:
     """Where PEFT's `save_pretrained` stores a stage parameter: `base_model.model.` in front and
     the adapter's name taken out (`...lora_A.default.weight` -> `...lora_A.weight`)."""
     return "base_model.model." + name.replace(f".{adapter_name}.", ".")
-
-
-def _weight_files(directory: str) -> dict[str, str]:
-    """Tensor name -> safetensors file of a transformers checkpoint (single file or sharded)."""
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(directory, file) for name, file in weight_map.items()}
-    single = os.path.join(directory, "model.safetensors")
-    if not os.path.isfile(single):
-        raise FileNotFoundError(f"No model.safetensors (or its index) in {directory}.")
-    with safe_open(single, framework="pt", device="cpu") as f:
-        return dict.fromkeys(f.keys(), single)

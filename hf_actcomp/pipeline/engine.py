@@ -32,6 +32,7 @@ from ..telemetry import TrafficCounter, summarize
 from . import checkpointing
 from .batching import MicroBatch, check_batch, count_label_tokens, split_batch
 from .gradsync import GradientSync, TiedEmbedding
+from .loading import load_stage_model
 from .mesh import build_mesh
 from .schedule import stage_actions
 from .transport import Transport
@@ -88,6 +89,9 @@ class Pipeline(nn.Module):
         self.autocast_dtype = autocast_dtype
         # A PEFT model is split like its inner transformers model; saving writes the adapter only.
         self.peft_model = model if unwrap_peft(model) is not model else None
+        # The model given (its other stages freed): `save_pretrained` refills and writes it. Not a
+        # submodule: its parameters are not this stage's.
+        object.__setattr__(self, "model", model)
         model = unwrap_peft(model)
         adapter = get_adapter(model)  # unsupported families fail here, before any collective
         ranges = stage_ranges(adapter, plan)
@@ -467,7 +471,7 @@ class Pipeline(nn.Module):
         """Gather every stage's parameters on rank 0 and write ONE Transformers checkpoint
         (safetensors) plus `actcomp_config.json`. Collective: call on every rank.
 
-        `model` is the model passed to `prepare` (its config and class are used on rank 0). For a
+        `model` defaults to the model passed to `prepare` (its config and class are used on rank 0). For a
         `peft.PeftModel` only the adapter is gathered and written (`adapter_model.safetensors`),
         which `PeftModel.from_pretrained(base, dir)` loads.
         """
@@ -502,18 +506,31 @@ class Pipeline(nn.Module):
         checkpointing.load_stage_weights(self, directory)
 
 
-def prepare(model: nn.Module, plan: Plan, *, device: torch.device | str | None = None,
+def prepare(model: nn.Module | str | os.PathLike, plan: Plan, *, device: torch.device | str | None = None,
             timeout: float = DEFAULT_TIMEOUT, autocast_dtype: torch.dtype | None = None,
-            track_error: bool = True) -> Pipeline:
+            track_error: bool = True, torch_dtype: torch.dtype | None = None) -> Pipeline:
     """Split `model` into the plan's stages across the processes of this job; keep this rank's.
 
     Call in every process with the same model (same initialisation) and plan. The plan must have
-    one stage per process. Args:
+    one stage per process. `model` may also be a checkpoint: a local directory or a Hub id (in
+    the local cache, or downloaded), in safetensors; then each rank builds the model on the meta
+    device and reads only its own stage's tensors, in `torch_dtype` if given. Args:
         device: where this stage runs (default: `cuda:LOCAL_RANK` when CUDA is available, else CPU).
         timeout: seconds any wait on a peer may take before the step fails with `PeerTimeoutError`.
         autocast_dtype: e.g. `torch.bfloat16` to run the stage under autocast.
         track_error: also decode each payload on the sender to report relative errors.
+        torch_dtype: the dtype a checkpoint's floating-point weights are loaded in.
     """
+    if isinstance(model, (str, os.PathLike)):
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a hf_actcomp.Plan, got {type(plan).__name__}.")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("prepare(name_or_path, plan) needs torch.distributed to be initialised first: it "
+                               "loads the stage of this rank.")
+        model = load_stage_model(model, plan, torch_dtype=torch_dtype)
+    elif torch_dtype is not None:
+        raise ValueError("torch_dtype applies when prepare() loads a checkpoint by name or path; convert an "
+                         "in-memory model with model.to(dtype) instead.")
     return Pipeline(model, plan, device=device, timeout=timeout, autocast_dtype=autocast_dtype,
                     track_error=track_error)
 
