@@ -166,5 +166,6 @@ def test_pipeline_push_to_hub(tmp_path, monkeypatch):
     finally:
         dist.destroy_process_group()
     assert [c[0] for c in api.calls] == ["create_repo", "upload_folder"]
-    assert {"model.safetensors", "actcomp_config.json", "actcomp_results.json", "README.md"} <= set(os.listdir(tmp_path))
+    assert {"model-00001-of-00001.safetensors", "model.safetensors.index.json", "actcomp_config.json",
+            "actcomp_results.json", "README.md"} <= set(os.listdir(tmp_path))
     assert 'from_pretrained("user/piped")' in api.uploaded_card

@@ -52,7 +52,10 @@ def test_per_stage_loading_equals_full_load(tmp_path, family, num_stages, dtype)
     if dtype == "float32":
         assert seen == set(params), f"parameters missing on every stage: {set(params) - seen}"
 
-    # save_pretrained from the per-stage pipeline (no model= argument) gives a loadable checkpoint.
+    # save_pretrained from the per-stage pipeline (no model= argument): one shard per stage, written
+    # by its own rank, and an index; from_pretrained loads it.
+    shards = sorted(p.name for p in (out / "saved").glob("model-*.safetensors"))
+    assert shards == [f"model-{s + 1:05d}-of-{num_stages:05d}.safetensors" for s in range(num_stages)]
     saved = AutoModelForCausalLM.from_pretrained(out / "saved", dtype=getattr(torch, dtype))
     for name, p in saved.named_parameters():
         torch.testing.assert_close(p, params[name].detach(), rtol=0, atol=0, msg=name)

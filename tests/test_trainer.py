@@ -254,10 +254,13 @@ def test_distributed_resume_continues_exactly(tmp_path):
     assert len(kept) == 2 and os.path.basename(best) in kept and "checkpoint-6" in kept  # limit 2, best kept
     checkpoint = os.path.join(run_dir, kept[0])  # checkpoint-2 or checkpoint-4
     files = set(os.listdir(checkpoint))
-    assert {"optimizer-rank0.pt", "optimizer-rank1.pt", "scheduler.pt", "trainer_state.json", "model.safetensors",
+    assert {"optimizer-rank0.pt", "optimizer-rank1.pt", "scheduler.pt", "trainer_state.json",
+            "model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
             "rng_state_0.pth", "rng_state_1.pth", "actcomp_state"} <= files
     # load_best_model_at_end: every stage ends with the best checkpoint's weights.
-    best_weights = load_file(os.path.join(best, "model.safetensors"))
+    best_weights = {}
+    for shard in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):  # one per stage
+        best_weights.update(load_file(os.path.join(best, shard)))
     for weights in _stage_weights(straight, 2, 2):
         for name, value in weights.items():
             expected = best_weights[name if name in best_weights else "transformer.wte.weight"]

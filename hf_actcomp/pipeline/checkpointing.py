@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from .. import checkpoint
@@ -70,35 +72,78 @@ def register_for_checkpointing(pipe: Pipeline, accelerator) -> None:
 
 
 def save_pretrained(pipe: Pipeline, save_directory: str | os.PathLike, model: nn.Module | None, **kwargs) -> None:
-    """Gather every stage's parameters on rank 0 and write one Transformers checkpoint; for a
-    `peft.PeftModel`, gather and write the adapter (trainable) weights only."""
+    """Write one Transformers checkpoint: each stage its own safetensors shard, from its own rank,
+    and rank 0 the index, config, plan and card; for a `peft.PeftModel`, gather the (small)
+    adapter on rank 0 and write it with PEFT."""
     model = model if model is not None else pipe.model
     base = unwrap_peft(model) if model is not None else None
-    adapter_only = base is not model
-    own = {name: p.detach().cpu() for name, p in pipe.stage.named_parameters()
-           if p.requires_grad or not adapter_only}
-    parts: list = [None] * pipe.mesh.num_stages
-    dist.all_gather_object(parts, own, group=pipe.group)
     stats = pipe.stats(gather=True)  # collective: every rank, before rank 0 writes
-    if pipe.mesh.rank == 0:  # stage 0 of replica 0: the replicas hold the same weights
-        if model is None:
-            raise ValueError("save_pretrained needs the model passed to prepare(), for its class and config.")
-        full = {}
-        for part in parts:
-            full.update(part)
-        restore_parameters(base, full, require_all=not adapter_only)
-        with torch.no_grad():  # a tied weight: the last stage owns the current value
-            for later, first in pipe.tied_pairs:
-                if later in parts[-1] and first in full:
-                    base.get_parameter(first).copy_(parts[-1][later])
+    if base is not model:
+        _save_adapter(pipe, save_directory, model, base, **kwargs)
+    else:
+        if kwargs:
+            raise TypeError(f"Pipeline.save_pretrained writes one shard per stage and takes no {sorted(kwargs)}.")
+        _save_shards(pipe, os.fspath(save_directory), base)
+    if pipe.mesh.rank == 0:
         from .. import hub  # the card renderer, only when saving
 
-        model.save_pretrained(save_directory, **kwargs)
         pipe.plan.save_pretrained(save_directory)
         hub.save_run(save_directory, stats=stats, blocks=[[r.start, r.stop] for r in pipe.ranges],
                      base_model=getattr(base, "name_or_path", None))
-        free_other_parameters(base, pipe.stage)
     dist.barrier(group=pipe.group)
+
+
+def _stage_state(pipe: Pipeline) -> dict[str, torch.Tensor]:
+    """What this stage writes, under the checkpoint's names: its parameters and persistent
+    buffers; a tied weight once, by its owner (the last stage), under the first name."""
+    state = dict(pipe.stage.state_dict())
+    for later, first in pipe.tied_pairs:
+        if pipe.is_last and later in state:
+            state[first] = state.pop(later)
+        elif not pipe.is_last:
+            state.pop(first, None)
+    return state
+
+
+def _save_shards(pipe: Pipeline, directory: str, base: nn.Module) -> None:
+    """Each stage of replica 0 writes `model-0000{s+1}-of-0000S.safetensors`; rank 0 writes the
+    index, built from every stage's names and sizes (no weights cross between ranks)."""
+    state = _stage_state(pipe)
+    sizes = {name: t.numel() * t.element_size() for name, t in state.items()}
+    everyone: list = [None] * pipe.mesh.num_stages
+    dist.all_gather_object(everyone, sizes, group=pipe.group)
+    owner: dict[str, int] = {}
+    for stage, names in enumerate(everyone):
+        for name in names:
+            owner.setdefault(name, stage)  # a buffer every stage holds (rotary tables) is written once
+    stages = pipe.mesh.num_stages
+    filename = f"model-{pipe.stage_index + 1:05d}-of-{stages:05d}.safetensors"
+    if pipe.replica == 0:  # the replicas hold the same weights
+        os.makedirs(directory, exist_ok=True)
+        mine = {n: t.detach().contiguous().cpu() for n, t in state.items() if owner[n] == pipe.stage_index}
+        save_file(mine, os.path.join(directory, filename), metadata={"format": "pt"})
+    if pipe.mesh.rank == 0:
+        weight_map = {name: f"model-{stage + 1:05d}-of-{stages:05d}.safetensors" for name, stage in owner.items()}
+        total = sum(everyone[stage][name] for name, stage in owner.items())
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        base.config.save_pretrained(directory)
+        if getattr(base, "generation_config", None) is not None and base.can_generate():
+            base.generation_config.save_pretrained(directory)
+
+
+def _save_adapter(pipe: Pipeline, save_directory, model: nn.Module, base: nn.Module, **kwargs) -> None:
+    """Gather the trainable (adapter) tensors of every stage on rank 0 and save with PEFT."""
+    own = {name: p.detach().cpu() for name, p in pipe.stage.named_parameters() if p.requires_grad}
+    parts: list = [None] * pipe.mesh.num_stages
+    dist.all_gather_object(parts, own, group=pipe.group)
+    if pipe.mesh.rank == 0:
+        full = {}
+        for part in parts:
+            full.update(part)
+        restore_parameters(base, full, require_all=False)
+        model.save_pretrained(save_directory, **kwargs)
+        free_other_parameters(base, pipe.stage)
 
 
 def free_other_parameters(model: nn.Module, stage: nn.Module) -> None:

@@ -468,8 +468,9 @@ class Pipeline(nn.Module):
 
     def save_pretrained(self, save_directory: str | os.PathLike, model: nn.Module | None = None,
                         **kwargs) -> None:
-        """Gather every stage's parameters on rank 0 and write ONE Transformers checkpoint
-        (safetensors) plus `actcomp_config.json`. Collective: call on every rank.
+        """Write ONE Transformers checkpoint: each stage's rank writes its own safetensors shard
+        (no weights cross between ranks), rank 0 the index, config, `actcomp_config.json` and the
+        model card. Collective: call on every rank.
 
         `model` defaults to the model passed to `prepare` (its config and class are used on rank 0). For a
         `peft.PeftModel` only the adapter is gathered and written (`adapter_model.safetensors`),
