@@ -2,7 +2,8 @@
 
 Both sides of a boundary keep an identical store (the sender's is a mirror of the receiver's), so
 the choice of backend only changes where the bytes live: next to the model (`device`), in CPU
-memory (`host`, pinned when CUDA is used) or in a memory-mapped file (`mmap`) for data sets whose
+memory (`host`; not pinned: rows are gathered with `index_select`, whose result is a new
+pageable tensor anyway, so pinning the whole table would only lock RAM) or in a memory-mapped file (`mmap`) for data sets whose
 memory does not fit in RAM. Storage can be fp32/fp16/bf16, or int8 with one max-abs scale per
 token (the low-memory variant of the reference code). Allocation is lazy (the per-sample shape
 is known at the first write) and the size is logged before anything is allocated.
@@ -78,6 +79,23 @@ def check_sample_ids(sample_ids: torch.Tensor | None, num_samples: int, batch_si
     return ids
 
 
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Free bytes on `device`: CUDA's free memory, or the host's available RAM (None if unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 class MemoryStore:
     """A table of `num_samples` activations with a `seen` flag per sample.
 
@@ -123,6 +141,7 @@ class MemoryStore:
             self.name, self.num_samples, tuple(sample_shape), self.config.dtype, nbytes / 2**20,
             self.config.store,
         )
+        self._check_fits(nbytes, device)
         shape = (self.num_samples, *sample_shape)
         dtype = _TORCH_DTYPES[self.config.dtype]
         self.values = self._new_table(shape, dtype, device, "values")
@@ -130,12 +149,27 @@ class MemoryStore:
             self.scales = self._new_table((*shape[:-1], 1), torch.float32, device, "scales")
         self.sample_shape = sample_shape
 
+    def _check_fits(self, nbytes: int, device: torch.device) -> None:
+        """Refuse, before allocating, a device or host table larger than the free memory there."""
+        store = self.config.store
+        if store == "mmap":
+            return
+        where = device if store == "device" else torch.device("cpu")
+        free = free_memory_bytes(where)
+        if free is not None and nbytes > free:
+            raise MemoryError(
+                f"AQ-SGD memory {self.name} needs {nbytes / 2**30:.2f} GiB on {where} (store={store!r}) but only "
+                f"{free / 2**30:.2f} GiB is free there. Alternatives: MemoryConfig(store='host') (CPU memory), "
+                "store='mmap' with path= on a large disk, dtype='int8' (about half of fp16), or fewer samples / "
+                "a shorter sequence length."
+            )
+
     def _new_table(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, part: str) -> torch.Tensor:
         store = self.config.store
         if store == "device":
             return torch.zeros(shape, dtype=dtype, device=device)
         if store == "host":
-            return torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
+            return torch.zeros(shape, dtype=dtype)
         return self._new_mapped_table(shape, dtype, part)
 
     def _new_mapped_table(self, shape: tuple[int, ...], dtype: torch.dtype, part: str) -> torch.Tensor:

@@ -147,11 +147,14 @@ class MemoryConfig:
     """Where AQ-SGD keeps its per-sample activation memory.
 
     Args:
-        store: `device` (a tensor next to the model), `host` (CPU memory, pinned when CUDA is
-            used) or `mmap` (a memory-mapped file, for data sets whose memory does not fit in RAM).
+        store: `device` (a tensor next to the model), `host` (CPU memory, not pinned: rows are
+            copied out anyway) or `mmap` (a memory-mapped file, for data sets whose memory does not
+            fit in RAM). A device or host store larger than the free memory there is refused
+            before it is allocated.
         dtype: storage dtype: `fp32`, `fp16`, `bf16` or `int8` (per-token max-abs quantized).
         num_samples: number of samples in the training set (`len(train_dataset)`); every
-            `sample_id` must lie in `[0, num_samples)`. Required for `aqsgd`.
+            `sample_id` must lie in `[0, num_samples)`. Required for `aqsgd` before training
+            (`ActCompTrainer` fills it from the training set).
         path: directory of the memory-mapped files (`store="mmap"`); a temporary directory if None.
     """
 

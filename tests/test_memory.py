@@ -82,6 +82,31 @@ def test_size_is_logged_before_allocation(caplog):
     assert "boundary0: 1000 samples x (128, 768) x fp16 = 187.50 MiB (host store)" in caplog.text
 
 
+@pytest.mark.parametrize("store, where", [("device", "cpu"), ("host", "cpu")])
+def test_a_store_larger_than_free_memory_is_refused_before_allocation(monkeypatch, store, where):
+    from hf_actcomp import memory
+
+    asked = []
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: asked.append(device.type) or 2**20)
+    mem = MemoryStore(1000, MemoryConfig(store=store, num_samples=1000, dtype="fp16"), name="boundary0")
+    message = rf"boundary0 needs 0.18 GiB on cpu \(store='{store}'\) but only 0.00 GiB is free.*store='mmap'.*dtype='int8'"
+    with pytest.raises(MemoryError, match=message):
+        mem.write(torch.tensor([0]), torch.zeros(1, 128, 768))
+    assert asked == [where] and mem.values is None  # nothing allocated
+    small = MemoryStore(2, MemoryConfig(store=store, num_samples=2, dtype="fp16"))
+    small.write(torch.tensor([0]), torch.zeros(1, 4, 8))  # 128 bytes fit
+    mapped = MemoryStore(1000, MemoryConfig(store="mmap", num_samples=1000, dtype="fp16"))
+    mapped.write(torch.tensor([0]), torch.zeros(1, 128, 768))  # on disk: not checked against RAM
+    assert asked == [where, where]
+    mapped.close()
+
+
+def test_free_memory_is_known_on_this_host():
+    from hf_actcomp.memory import free_memory_bytes
+
+    assert free_memory_bytes(torch.device("cpu")) > 2**20
+
+
 def _filled(config, name="memory"):
     mem = MemoryStore(config.num_samples, config, name=name)
     mem.write(torch.tensor([1, 4]), torch.randn(2, 3, 8))
@@ -134,7 +159,7 @@ def test_resumed_store_is_placed_like_a_fresh_one(store):
     out = b.read(torch.tensor([1, 4]), cuda, torch.float32)
     assert torch.equal(out, a.read(torch.tensor([1, 4]), cuda, torch.float32))
     assert b.values.device == a.values.device and b.values.dtype == torch.float16
-    assert b.values.is_pinned() == a.values.is_pinned() == (store == "host")
+    assert not b.values.is_pinned() and not a.values.is_pinned()  # host rows are copied out: no pinning
 
 
 def _mmap(path, num_samples=4):
