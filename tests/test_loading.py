@@ -59,3 +59,21 @@ def test_per_stage_loading_equals_full_load(tmp_path, family, num_stages, dtype)
     saved = AutoModelForCausalLM.from_pretrained(out / "saved", dtype=getattr(torch, dtype))
     for name, p in saved.named_parameters():
         torch.testing.assert_close(p, params[name].detach(), rtol=0, atol=0, msg=name)
+
+
+def test_wrong_world_size_fails_before_loading(tmp_path, monkeypatch):
+    import torch.distributed as dist
+    from distributed import free_port
+
+    import hf_actcomp
+    from hf_actcomp import Plan
+    from hf_actcomp.pipeline import engine
+
+    debug_model("gpt2").save_pretrained(tmp_path)
+    monkeypatch.setattr(engine, "load_stage_model", lambda *a, **k: pytest.fail("weights were read"))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="needs exactly 2 processes .* but the world size is 1"):
+            hf_actcomp.prepare(str(tmp_path), Plan(num_stages=2))
+    finally:
+        dist.destroy_process_group()

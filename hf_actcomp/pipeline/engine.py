@@ -33,7 +33,7 @@ from . import checkpointing
 from .batching import MicroBatch, check_batch, count_label_tokens, split_batch
 from .gradsync import GradientSync, TiedEmbedding
 from .loading import load_stage_model
-from .mesh import build_mesh
+from .mesh import build_mesh, check_world_size
 from .schedule import stage_actions
 from .transport import Transport
 
@@ -528,6 +528,7 @@ def prepare(model: nn.Module | str | os.PathLike, plan: Plan, *, device: torch.d
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("prepare(name_or_path, plan) needs torch.distributed to be initialised first: it "
                                "loads the stage of this rank.")
+        check_world_size(plan)  # before reading any weights
         model = load_stage_model(model, plan, torch_dtype=torch_dtype)
     elif torch_dtype is not None:
         raise ValueError("torch_dtype applies when prepare() loads a checkpoint by name or path; convert an "

@@ -61,9 +61,8 @@ class Groups:
     data_parallel: dist.ProcessGroup | None
 
 
-def build_mesh(plan: Plan, timeout: float) -> tuple[PipelineMesh, Groups]:
-    """Check the world size against the plan and create every group. Collective: every rank
-    must call it (torch requires all ranks to create every group, in the same order)."""
+def check_world_size(plan: Plan) -> None:
+    """The job must have one process per stage and replica."""
     world = dist.get_world_size()
     if world != plan.world_size:
         raise ValueError(
@@ -71,6 +70,12 @@ def build_mesh(plan: Plan, timeout: float) -> tuple[PipelineMesh, Groups]:
             f"{plan.world_size} processes (one per stage and replica), but the world size is {world}. "
             f"Launch with --num_processes {plan.world_size} or change the plan."
         )
+
+
+def build_mesh(plan: Plan, timeout: float) -> tuple[PipelineMesh, Groups]:
+    """Check the world size against the plan and create every group. Collective: every rank
+    must call it (torch requires all ranks to create every group, in the same order)."""
+    check_world_size(plan)
     rank, stages, replicas = dist.get_rank(), plan.num_stages, plan.data_parallel
     delta = datetime.timedelta(seconds=timeout)
     groups = Groups(pipeline=None, data_parallel=None)
