@@ -375,7 +375,6 @@ _REFUSED = {
     "fsdp": "FSDP shards every parameter over all ranks, which here hold different stages",
     "fp16": "fp16 needs a loss scaler shared by all stages; use bf16=True",
     "torch_compile": "the stages are not compiled yet",
-    "gradient_checkpointing": "activation checkpointing per stage is not implemented yet",
 }
 
 

@@ -68,6 +68,37 @@ def test_in_process_matches_plain_trainer(tmp_path):
     assert metrics["eval_perplexity"] == pytest.approx(torch.tensor(metrics["eval_loss"]).exp().item(), rel=1e-6)
 
 
+def test_activation_checkpointing_in_process_is_exact(tmp_path):
+    """TrainingArguments(activation_checkpointing=True): every block recomputes its activations in
+    the backward (transformers' own checkpointing, inside each stage); same run as without."""
+    reference_model = debug_model("llama", seed=0)
+    reference = Trainer(model=reference_model, args=training_args(str(tmp_path / "reference")),
+                        train_dataset=ragged_dataset(), data_collator=pad_collator)
+    reference.train()
+    model = debug_model("llama", seed=0)
+    trainer = ActCompTrainer(model=model, args=training_args(str(tmp_path / "ours"), activation_checkpointing=True),
+                             plan=Plan(num_stages=2), train_dataset=ragged_dataset(), data_collator=pad_collator)
+    trainer.train()
+    assert all(block.gradient_checkpointing for block in model.model.layers)
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    _assert_same_run(reference, _logged(trainer, "loss"), _logged(trainer, "grad_norm"), weights, reference_model)
+
+
+def test_stages_run_each_block_under_its_checkpoint():
+    """The stages call the model's own blocks, so transformers' per-block checkpointing applies
+    inside every stage: each block's checkpoint function runs once per micro-batch."""
+    model = debug_model("llama", seed=0)
+    model.activation_checkpointing_enable()
+    calls = []
+    for block in model.model.layers:
+        inner = block._gradient_checkpointing_func
+        block._gradient_checkpointing_func = lambda *a, inner=inner, **k: calls.append(1) or inner(*a, **k)
+    sim = hf_actcomp.simulate(model, Plan(num_stages=2))
+    sim(**pad_collator([ragged_dataset()[i] for i in range(4)])).loss.backward()
+    assert len(calls) == len(model.model.layers) * 2  # 2 micro-batches
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_aqsgd_with_dynamic_padding_and_save(tmp_path):
     """AQ-SGD: sample ids added, num_samples filled from the data, batches padded to one length;
     the codec's eval loss and the plain one are both reported; save_model writes a loadable model."""
@@ -141,7 +172,6 @@ def test_pad_to_length_changes_no_loss_or_gradient():
         ("deepspeed", "ds.json", "deepspeed=.*DeepSpeed shards"),
         ("fsdp", "full_shard", "fsdp=.*FSDP shards"),
         ("fp16", True, "fp16 needs a loss scaler"),
-        ("gradient_checkpointing", True, "not implemented yet"),
         ("label_smoothing_factor", 0.1, "label_smoothing_factor"),
         ("world_size", 3, "needs 2 processes \\(or 1, to run the stages in-process\\), but this job has 3"),
     ],
@@ -190,11 +220,14 @@ def _stage_weights(out: str, world: int, num_stages: int) -> list[dict[str, torc
 @pytest.mark.parametrize("data_parallel", [1, 2], ids=["2-stages", "2x2-data-parallel"])
 def test_distributed_matches_plain_trainer(tmp_path, data_parallel):
     """Codec none on 2 (or 2 x 2) processes: the logged losses and norms, and every stage's final
-    weights, equal plain Trainer's on the unsplit model with the replicas' global batch."""
+    weights, equal plain Trainer's on the unsplit model with the replicas' global batch (2 stages:
+    with activation checkpointing on)."""
     world = 2 * data_parallel
     reference_model = debug_model("gpt2", seed=0)
     reference = _reference(tmp_path, reference_model, batch_size=4 * data_parallel)
-    spec = {"plan": {"num_stages": 2, "data_parallel": data_parallel}, "evaluate": True}
+    spec = {"plan": {"num_stages": 2, "data_parallel": data_parallel}, "evaluate": True,
+            # 2 stages: also with every block recomputed in the backward (the numbers do not change)
+            "args": {"activation_checkpointing": data_parallel == 1}}
     out, results = _run(tmp_path, "ours", world, spec)
     expected_eval = _token_weighted_loss(reference_model, ragged_dataset(8, seed=1), batch_size=4)
     for rank, result in enumerate(results):
