@@ -163,9 +163,12 @@ def test_pipeline_push_to_hub(tmp_path, monkeypatch):
         model = debug_model("gpt2")
         pipe = hf_actcomp.prepare(model, Plan(num_stages=1, forward=Compression("quantize", bits=8)))
         pipe.push_to_hub("user/piped", model=model, save_directory=str(tmp_path), private=False)
+        pipe.push_to_hub("user/piped")  # a temporary folder, removed after the upload
     finally:
         dist.destroy_process_group()
-    assert [c[0] for c in api.calls] == ["create_repo", "upload_folder"]
+    assert [c[0] for c in api.calls] == ["create_repo", "upload_folder"] * 2
+    temporary = api.calls[-1][2]["folder_path"]
+    assert temporary != str(tmp_path) and not os.path.exists(temporary)
     assert {"model-00001-of-00001.safetensors", "model.safetensors.index.json", "actcomp_config.json",
             "actcomp_results.json", "README.md"} <= set(os.listdir(tmp_path))
     assert 'from_pretrained("user/piped")' in api.uploaded_card

@@ -483,13 +483,20 @@ class Pipeline(nn.Module):
                     commit_message: str = "Upload model trained with hf-actcomp") -> None:
         """Save (`save_pretrained`, with the model card) and upload to the Hub repo `repo_id`.
         Collective: call on every rank; rank 0 uploads (`hf_actcomp.hub.push_to_hub`). Without
-        `save_directory` the folder is a temporary one."""
+        `save_directory`, a temporary folder made by rank 0 (every stage writes its shard there:
+        the ranks must share a filesystem, as for any per-stage save)."""
+        import shutil
         import tempfile
 
         from .. import hub
 
-        with tempfile.TemporaryDirectory(prefix="hf_actcomp_push_") as tmp:
-            directory = save_directory or tmp
+        holder = [save_directory]
+        if save_directory is None:
+            if self.mesh.rank == self.mesh.ranks[0]:
+                holder = [tempfile.mkdtemp(prefix="hf_actcomp_push_")]
+            dist.broadcast_object_list(holder, src=self.mesh.ranks[0], group=self.group)
+        directory = holder[0]
+        try:
             self.save_pretrained(directory, model=model)
             error = None
             if self.mesh.rank == 0:
@@ -500,6 +507,9 @@ class Pipeline(nn.Module):
             dist.barrier(group=self.group)
             if error is not None:
                 raise error
+        finally:
+            if save_directory is None and self.mesh.rank == self.mesh.ranks[0]:
+                shutil.rmtree(directory, ignore_errors=True)
 
     def load_stage_weights(self, directory: str | os.PathLike) -> None:
         """Load this stage's parameters from a `save_pretrained` directory, reading only its own
