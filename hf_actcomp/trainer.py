@@ -383,6 +383,10 @@ def _check_arguments(args: TrainingArguments, plan: Plan, kwargs: dict[str, Any]
     for name, reason in _REFUSED.items():
         if getattr(args, name, None):
             raise ValueError(f"ActCompTrainer does not support TrainingArguments({name}=...): {reason}.")
+    if getattr(args, "train_sampling_strategy", "random") == "batch_rebalance":
+        raise ValueError("ActCompTrainer does not support train_sampling_strategy='batch_rebalance': it deals batches "
+                         "per rank, while the stages of a pipeline must read the same batches. Use 'random' or "
+                         "'group_by_length'.")
     if args.label_smoothing_factor:
         raise ValueError("ActCompTrainer does not support label_smoothing_factor: the last stage computes the "
                          "model's own loss.")

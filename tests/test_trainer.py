@@ -173,6 +173,7 @@ def test_pad_to_length_changes_no_loss_or_gradient():
         ("fsdp", "full_shard", "fsdp=.*FSDP shards"),
         ("fp16", True, "fp16 needs a loss scaler"),
         ("label_smoothing_factor", 0.1, "label_smoothing_factor"),
+        ("train_sampling_strategy", "batch_rebalance", "batch_rebalance.*must read the same batches"),
         ("world_size", 3, "needs 2 processes \\(or 1, to run the stages in-process\\), but this job has 3"),
     ],
 )
