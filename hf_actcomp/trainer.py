@@ -291,25 +291,23 @@ class ActCompTrainer(Trainer):
             super().save_model(output_dir, _internal_call)
             if self.args.should_save:
                 self.plan.save_pretrained(output_dir)
-                self._save_run(output_dir, self.sim.stats(), self.sim.ranges)
+                hub.save_run(output_dir, stats=self.sim.stats(), blocks=[[r.start, r.stop] for r in self.sim.ranges],
+                             base_model=getattr(unwrap_peft(self.model), "name_or_path", None), **self._run_results())
             return
-        self.pipe.save_pretrained(output_dir, model=self.model)
-        stats = self.pipe.stats(gather=True)  # collective
+        # One collective save: every stage's shard, and the card with this run's results.
+        self.pipe.save_pretrained(output_dir, model=self.model, results=self._run_results())
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-            self._save_run(output_dir, stats, self.pipe.ranges)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
-    def _save_run(self, output_dir: str, stats: dict, ranges: list[range]) -> None:
-        """Results, curves and model card next to the saved model (`hf_actcomp.hub`)."""
+    def _run_results(self) -> dict:
+        """What the card shows besides the traffic: the latest eval metrics, the log history."""
         evaluations = [h for h in self.state.log_history if "eval_loss" in h]
-        base = unwrap_peft(self.model)
-        hub.save_run(output_dir, stats=stats, metrics=evaluations[-1] if evaluations else {},
-                     log_history=self.state.log_history, blocks=[[r.start, r.stop] for r in ranges],
-                     base_model=getattr(base, "name_or_path", None), steps=self.state.global_step)
+        return {"metrics": evaluations[-1] if evaluations else {}, "log_history": self.state.log_history,
+                "steps": self.state.global_step}
 
     def create_model_card(self, language: str | None = None, license: str | None = None, tags=None,
                           model_name: str | None = None, finetuned_from: str | None = None, tasks=None,

@@ -8,14 +8,13 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from .. import checkpoint
 from ..boundary import prefixed, unprefixed
 from ..models import unwrap_peft
-from .loading import assign_parameters, weight_files
+from .loading import assign_parameters, read_tensors, weight_files
 
 if TYPE_CHECKING:
     from .engine import Pipeline
@@ -71,7 +70,8 @@ def register_for_checkpointing(pipe: Pipeline, accelerator) -> None:
     accelerator.register_load_state_pre_hook(load_hook)
 
 
-def save_pretrained(pipe: Pipeline, save_directory: str | os.PathLike, model: nn.Module | None, **kwargs) -> None:
+def save_pretrained(pipe: Pipeline, save_directory: str | os.PathLike, model: nn.Module | None,
+                    results: dict | None = None, **kwargs) -> None:
     """Write one Transformers checkpoint: each stage its own safetensors shard, from its own rank,
     and rank 0 the index, config, plan and card; for a `peft.PeftModel`, gather the (small)
     adapter on rank 0 and write it with PEFT."""
@@ -88,8 +88,8 @@ def save_pretrained(pipe: Pipeline, save_directory: str | os.PathLike, model: nn
         from .. import hub  # the card renderer, only when saving
 
         pipe.plan.save_pretrained(save_directory)
-        hub.save_run(save_directory, stats=stats, blocks=[[r.start, r.stop] for r in pipe.ranges],
-                     base_model=getattr(base, "name_or_path", None))
+        run = {"base_model": getattr(base, "name_or_path", None), **(results or {})}
+        hub.save_run(save_directory, stats=stats, blocks=[[r.start, r.stop] for r in pipe.ranges], **run)
     dist.barrier(group=pipe.group)
 
 
@@ -181,14 +181,9 @@ def load_stage_weights(pipe: Pipeline, directory: str | os.PathLike) -> None:
     missing = sorted(key for key in wanted.values() if key not in files)
     if missing:
         raise ValueError(f"{directory} lacks weights of stage {pipe.stage_index}: {missing[:5]}")
-    by_file: dict[str, list[str]] = {}
-    for name, key in wanted.items():
-        by_file.setdefault(files[key], []).append(name)
     with torch.no_grad():
-        for path, names in by_file.items():
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in names:
-                    params[name].copy_(f.get_tensor(wanted[name]))
+        for name, tensor in read_tensors(files, wanted).items():
+            params[name].copy_(tensor)
 
 
 def _peft_key(name: str, adapter_name: str) -> str:

@@ -467,16 +467,17 @@ class Pipeline(nn.Module):
         checkpointing.register_for_checkpointing(self, accelerator)
 
     def save_pretrained(self, save_directory: str | os.PathLike, model: nn.Module | None = None,
-                        **kwargs) -> None:
+                        results: dict | None = None, **kwargs) -> None:
         """Write ONE Transformers checkpoint: each stage's rank writes its own safetensors shard
         (no weights cross between ranks), rank 0 the index, config, `actcomp_config.json` and the
         model card. Collective: call on every rank.
 
         `model` defaults to the model passed to `prepare` (its config and class are used on rank 0). For a
         `peft.PeftModel` only the adapter is gathered and written (`adapter_model.safetensors`),
-        which `PeftModel.from_pretrained(base, dir)` loads.
+        which `PeftModel.from_pretrained(base, dir)` loads. `results` (eval metrics, log history,
+        ...) join the measured traffic in `actcomp_results.json` and the model card.
         """
-        checkpointing.save_pretrained(self, save_directory, model, **kwargs)
+        checkpointing.save_pretrained(self, save_directory, model, results, **kwargs)
 
     def push_to_hub(self, repo_id: str, model: nn.Module | None = None, *, save_directory: str | None = None,
                     private: bool | None = None, token: str | bool | None = None,

@@ -81,15 +81,28 @@ def materialise(model: nn.Module, names: list[str], directory: str, dtype: torch
     files = weight_files(directory)
     aliases = _aliases(model)
     params = dict(model.named_parameters(remove_duplicate=False))
-    tensors: dict[str, torch.Tensor] = {}
+    keys = {}
     for name in names:
         key = next((a for a in [name, *aliases[id(params[name])]] if a in files), None)
         if key is None:
             raise ValueError(f"{directory} has no tensor for {name!r} (nor for what it is tied to).")
-        with safe_open(files[key], framework="pt", device="cpu") as f:
-            tensor = f.get_tensor(key)
-        tensors[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
-    assign_parameters(model, tensors)
+        keys[name] = key
+    tensors = read_tensors(files, keys)
+    assign_parameters(model, {n: t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                              for n, t in tensors.items()})
+
+
+def read_tensors(files: dict[str, str], keys: dict[str, str]) -> dict[str, torch.Tensor]:
+    """`{name: tensor}` for `keys` (name -> key in the checkpoint), opening each shard once."""
+    by_file: dict[str, list[str]] = {}
+    for name, key in keys.items():
+        by_file.setdefault(files[key], []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in names:
+                out[name] = f.get_tensor(keys[name])
+    return out
 
 
 def assign_parameters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
