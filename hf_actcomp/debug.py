@@ -4,7 +4,9 @@ They build in milliseconds from a config alone (no Hub access), so tests and int
 can exercise every family: 4 blocks, hidden size 64, 4 heads, vocabulary 256, no dropout.
 Each keeps the feature that makes its family special: GPT-2 and OPT tie the LM head to the
 input embedding, Llama-style models use grouped-query attention with an untied head, Mistral
-has a sliding window shorter than a test sequence, Qwen2 mixes full and sliding layers.
+and Phi-3 have a sliding window shorter than a test sequence, Qwen2/3 mix full and sliding
+layers, Gemma 2 ties its head and soft-caps attention and logits, Gemma 3 keeps one rotary
+table per layer type, OLMo 2 normalises queries and keys, Mixtral routes tokens to 4 experts.
 """
 
 from __future__ import annotations
@@ -14,7 +16,19 @@ from typing import Any
 import torch
 import transformers
 
-DEBUG_FAMILIES = ("gpt2", "opt", "llama", "mistral", "qwen2")
+DEBUG_FAMILIES = (
+    "gpt2",
+    "opt",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "mixtral",
+)
 
 _VOCAB = 256
 _HIDDEN = 64
@@ -34,6 +48,15 @@ _LLAMA_STYLE: dict[str, Any] = dict(
     tie_word_embeddings=False,
     bos_token_id=1,
     eos_token_id=2,
+)
+
+_GEMMA: dict[str, Any] = dict(
+    _LLAMA_STYLE,
+    head_dim=_HIDDEN // _HEADS,
+    query_pre_attn_scalar=_HIDDEN // _HEADS,
+    sliding_window=4,
+    tie_word_embeddings=True,
+    pad_token_id=0,
 )
 
 _FAMILY_KWARGS: dict[str, dict[str, Any]] = {
@@ -70,7 +93,24 @@ _FAMILY_KWARGS: dict[str, dict[str, Any]] = {
     "mistral": dict(_LLAMA_STYLE, sliding_window=4),
     # max_window_layers=2: layers 0-1 use full attention, layers 2-3 sliding attention.
     "qwen2": dict(_LLAMA_STYLE, use_sliding_window=True, sliding_window=4, max_window_layers=2),
+    "qwen3": dict(_LLAMA_STYLE, use_sliding_window=True, sliding_window=4, max_window_layers=2),
+    # Gemma: tied head, explicit head_dim (the default is 256), sliding/full layers alternating.
+    "gemma2": dict(_GEMMA, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+    "gemma3_text": dict(_GEMMA, layer_types=["sliding_attention", "full_attention"] * (_LAYERS // 2)),
+    "phi3": dict(_LLAMA_STYLE, sliding_window=4, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0),
+    "olmo2": dict(_LLAMA_STYLE, pad_token_id=0),
+    "mixtral": dict(_LLAMA_STYLE, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0),
 }
+
+
+# Gemma 2 soft-caps attention scores, which transformers' SDPA path cannot do.
+_ATTENTION = {"gemma2": "eager"}
+
+
+def default_attention(family: str) -> str:
+    """The attention implementation `debug_config(family)` uses unless overridden."""
+    _check_family(family)
+    return _ATTENTION.get(family, "sdpa")
 
 
 def _check_family(family: str) -> None:
@@ -83,10 +123,11 @@ def _check_family(family: str) -> None:
 def debug_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
     """A tiny random config for `family`; `overrides` replace any config field.
 
-    `attn_implementation` defaults to "sdpa"; "eager" is the other supported choice.
+    `attn_implementation` defaults to "sdpa" ("eager" for Gemma 2, see `default_attention`);
+    "eager" is the other supported choice.
     """
-    _check_family(family)
-    kwargs = dict(_FAMILY_KWARGS[family], attn_implementation="sdpa")
+    attention = default_attention(family)  # checks the family first
+    kwargs = dict(_FAMILY_KWARGS[family], attn_implementation=attention)
     kwargs.update(overrides)
     return transformers.AutoConfig.for_model(family, **kwargs)
 

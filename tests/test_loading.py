@@ -77,3 +77,39 @@ def test_wrong_world_size_fails_before_loading(tmp_path, monkeypatch):
             hf_actcomp.prepare(str(tmp_path), Plan(num_stages=2))
     finally:
         dist.destroy_process_group()
+
+
+def test_stages_loaded_separately_chain_to_the_full_model(tmp_path):
+    """Gemma 3 in one process: its tied head, embedding scale buffer and two rotary tables come
+    out right when each stage is loaded on its own skeleton, and the chained stages give the
+    full load's logits."""
+    from hf_actcomp import Plan
+    from hf_actcomp.models import get_adapter
+    from hf_actcomp.models.check import padded_batch as batch_of
+    from hf_actcomp.pipeline.loading import load_stage_model
+
+    debug_model("gemma3_text", seed=0).save_pretrained(tmp_path, max_shard_size="100KB")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)
+    plan = Plan(num_stages=2)
+    batch = batch_of(256, "left")
+    hidden = batch["input_ids"]
+    for stage, (start, stop) in enumerate([(0, 2), (2, 4)]):
+        model = load_stage_model(tmp_path, plan, stage=stage)
+        module = get_adapter(model).build_stage(start, stop, first=stage == 0, last=stage == 1)
+        assert all(p.device.type == "cpu" for p in module.parameters())
+        assert any(p.device.type == "meta" for p in model.parameters())  # the other stage's
+        reference_buffers = dict(reference.named_buffers())
+        for name, buffer in module.named_buffers():
+            torch.testing.assert_close(buffer, reference_buffers[name], rtol=0, atol=0, msg=name)
+        hidden = module(hidden, batch["attention_mask"])
+    torch.testing.assert_close(hidden, reference(**batch, use_cache=False).logits, rtol=0, atol=0)
+
+
+def test_converted_checkpoints_are_refused_with_the_alternative(tmp_path):
+    from hf_actcomp import Plan
+    from hf_actcomp.pipeline.loading import load_stage_model
+
+    debug_model("mixtral").save_pretrained(tmp_path)  # per-expert w1/w2/w3 on disk
+    with pytest.raises(ValueError, match="has no tensor for 'model.layers.0.mlp.gate.weight'.* mixtral "
+                       "checkpoints store some weights under names that from_pretrained converts"):
+        load_stage_model(tmp_path, Plan(num_stages=2), stage=0)

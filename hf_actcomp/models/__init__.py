@@ -12,8 +12,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .base import ModelAdapter, StageModule
+from .check import check_adapter
+from .decoder import VERIFIED_TYPES, DecoderAdapter, has_standard_layout
 from .gpt2 import GPT2Adapter
-from .llama import LlamaAdapter, MistralAdapter, Qwen2Adapter
 from .opt import OPTAdapter
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {}
@@ -44,8 +45,19 @@ def register_adapter(cls: type[ModelAdapter]) -> type[ModelAdapter]:
 
 
 def supported_model_types() -> list[str]:
-    """The `config.model_type` values with a registered adapter, sorted."""
+    """The `config.model_type` values with a registered adapter, sorted: the built-in ones are
+    verified by the exactness tests; others are what `register_adapter` or
+    `register_standard_decoder` added in this process."""
     return sorted(ADAPTERS)
+
+
+def register_standard_decoder(model_type: str) -> type[ModelAdapter]:
+    """Serve `model_type` with the generic `DecoderAdapter`, for a family that has the standard
+    decoder layout but is not verified yet. Check the result with `check_adapter(model)`."""
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"model_type must be a config.model_type string, got {model_type!r}.")
+    cls = type(f"DecoderAdapter_{model_type}", (DecoderAdapter,), {"model_types": (model_type,)})
+    return register_adapter(cls)
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:
@@ -67,28 +79,38 @@ def get_adapter(model: PreTrainedModel) -> ModelAdapter:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     cls = ADAPTERS.get(model_type) if isinstance(model_type, str) else None
     if cls is None:
-        raise ValueError(
+        message = (
             f"Model type '{model_type}' is not supported. Supported model types: "
-            f"{', '.join(supported_model_types())}. See docs/adding_a_model.md to add one."
+            f"{', '.join(supported_model_types())}."
         )
+        if has_standard_layout(model):
+            message += (
+                " It has the standard decoder layout, so the generic adapter may serve it: call "
+                f"hf_actcomp.models.register_standard_decoder({model_type!r}), then "
+                "hf_actcomp.models.check_adapter(model) to compare the stages' loss and every "
+                "gradient with the unsplit model before training."
+            )
+        raise ValueError(message + " See docs/adding_a_model.md to add an adapter.")
     return cls(model)
 
 
-for _cls in (GPT2Adapter, OPTAdapter, LlamaAdapter, MistralAdapter, Qwen2Adapter):
+for _cls in (GPT2Adapter, OPTAdapter, DecoderAdapter):
     register_adapter(_cls)
 del _cls
 
 __all__ = [
     "ADAPTERS",
     "GPT2Adapter",
-    "LlamaAdapter",
-    "MistralAdapter",
+    "DecoderAdapter",
     "ModelAdapter",
     "OPTAdapter",
-    "Qwen2Adapter",
     "StageModule",
+    "VERIFIED_TYPES",
+    "check_adapter",
     "get_adapter",
+    "has_standard_layout",
     "register_adapter",
+    "register_standard_decoder",
     "supported_model_types",
     "unwrap_peft",
 ]

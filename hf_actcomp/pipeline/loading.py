@@ -85,7 +85,8 @@ def materialise(model: nn.Module, names: list[str], directory: str, dtype: torch
     for name in names:
         key = next((a for a in [name, *aliases[id(params[name])]] if a in files), None)
         if key is None:
-            raise ValueError(f"{directory} has no tensor for {name!r} (nor for what it is tied to).")
+            raise ValueError(f"{directory} has no tensor for {name!r} (nor for what it is tied to)."
+                             + _conversion_hint(model))
         keys[name] = key
     tensors = read_tensors(files, keys)
     assign_parameters(model, {n: t.to(dtype) if dtype is not None and t.is_floating_point() else t
@@ -124,6 +125,21 @@ def assign_parameters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> Non
                            and param.device.type != "meta" else tensor, requires_grad=param.requires_grad)
         for module, attr in holders[id(param)]:
             module._parameters[attr] = new
+
+
+def _conversion_hint(model: nn.Module) -> str:
+    """Why a name can be missing: transformers renames or merges some families' checkpoint tensors
+    on load (Mixtral's per-expert `w1/w2/w3` become one `gate_up_proj`), which this reader does not do."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    model_type = model.config.model_type
+    if get_checkpoint_conversion_mapping(type(model).__name__) is None and \
+            get_checkpoint_conversion_mapping(model_type) is None:
+        return ""
+    return (f" {model_type} checkpoints store some weights under names that from_pretrained converts while "
+            "loading (e.g. per-expert tensors merged into one); per-stage loading reads tensors by the model's "
+            "own names and does not convert them. Load the model with from_pretrained and pass it to "
+            "prepare(model, plan) instead.")
 
 
 def _aliases(model: nn.Module) -> dict[int, list[str]]:
