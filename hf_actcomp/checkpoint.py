@@ -7,6 +7,12 @@ Each rank writes its own files, because each rank holds a different stage's stat
 
 Loading checks the metadata against the running plan first, so state saved under another plan
 (other codecs, split or data set size) is a clear error instead of silently wrong buffers.
+
+Neither direction holds a copy of the state in RAM: safetensors (>= 0.8) writes each tensor from
+its own memory and `load_file` returns tensors backed by a memory map of the file, whose pages
+the kernel reads as they are copied into the running buffers (an AQ-SGD memory store allocates
+its host or mmap table at load for that). A memory-mapped AQ-SGD memory of hundreds of GB thus
+goes from disk to disk (tests/test_memory.py measures the process's anonymous memory).
 """
 
 from __future__ import annotations
@@ -83,5 +89,6 @@ def load_state(directory: str | os.PathLike, rank: int, expected: dict[str, Any]
         )
     state: dict[str, torch.Tensor] = {}
     for filename in meta["files"]:
-        state.update(load_file(os.path.join(directory, filename)))
+        state.update(load_file(os.path.join(directory, filename)))  # memory-mapped, read when used
     return state
+

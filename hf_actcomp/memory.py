@@ -291,6 +291,10 @@ class MemoryStore:
         self.seen.copy_(seen)
         if values is None:
             return
+        if self.values is None and self.config.store != "device":
+            # Host and mmap tables live on the CPU whatever the stage's device: allocate them now
+            # and copy, so that a mapped checkpoint streams from disk into the table.
+            self._allocate(tuple(values.shape[1:]), torch.device("cpu"))
         if self.values is None:
             self._loaded = {k: state[k].clone() for k in ("values", "scales") if k in state}  # a snapshot
             return

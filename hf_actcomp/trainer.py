@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker, speed_metrics
 
 from . import hub
@@ -78,7 +78,10 @@ class ActCompTrainer(Trainer):
 
     Write `ActCompTrainer(..., plan=plan)` where you wrote `Trainer(...)`. Run the script as is
     (one process: the stages run in-process) or with `plan.world_size` processes under
-    `accelerate launch` / `torchrun` (one stage per rank). `model` may be a `peft.PeftModel`.
+    `accelerate launch` / `torchrun` (one stage per rank). `model` may be a `peft.PeftModel`, or
+    a checkpoint's local directory or Hub id: with several processes each rank then builds the
+    model on the meta device and reads only its own stage's tensors (`prepare("path", plan)`);
+    in one process it is loaded whole with `from_pretrained`.
 
     Args:
         plan: how the model is split and what crosses each boundary. For AQ-SGD, an unset
@@ -87,11 +90,13 @@ class ActCompTrainer(Trainer):
         pad_to_length: AQ-SGD only: the length every training batch is padded to (default: the
             longest `input_ids` row of `train_dataset`).
         timeout: seconds any wait on a peer stage may take before the step fails.
+        torch_dtype: the dtype a checkpoint given by name is loaded in (default: as saved).
         **kwargs: everything `transformers.Trainer` takes.
     """
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *, plan: Plan,
-                 pad_to_length: int | None = None, timeout: float = 300.0, **kwargs: Any) -> None:
+                 pad_to_length: int | None = None, timeout: float = 300.0, torch_dtype: torch.dtype | None = None,
+                 **kwargs: Any) -> None:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a hf_actcomp.Plan, got {type(plan).__name__}.")
         if model is None:
@@ -104,6 +109,17 @@ class ActCompTrainer(Trainer):
         if aqsgd and train_dataset is not None:
             kwargs["train_dataset"] = train_dataset = _with_sample_ids(train_dataset)
             plan = _with_num_samples(plan, max(len(train_dataset), max(train_dataset[SAMPLE_ID]) + 1))
+        autocast_dtype = torch.bfloat16 if args.bf16 else None
+        pipe = None
+        if isinstance(model, (str, os.PathLike)):
+            if args.world_size == 1:
+                model = AutoModelForCausalLM.from_pretrained(model, **({"dtype": torch_dtype} if torch_dtype else {}))
+            else:  # this rank's stage only; the rest of the model stays on the meta device
+                pipe = prepare(model, plan, timeout=timeout, autocast_dtype=autocast_dtype, torch_dtype=torch_dtype)
+                model = pipe.model
+        elif torch_dtype is not None:
+            raise ValueError("torch_dtype applies when ActCompTrainer loads a checkpoint given by name or path; "
+                             "convert an in-memory model with model.to(dtype) instead.")
         super().__init__(model=model, args=args, **kwargs)
         self.plan = plan
         self.pipe = None
@@ -111,13 +127,18 @@ class ActCompTrainer(Trainer):
         if self.args.world_size == 1:
             self.sim = simulate(self.model, plan)
         else:
-            self.pipe = prepare(self.model, plan, timeout=timeout,
-                                autocast_dtype=torch.bfloat16 if self.args.bf16 else None)
+            self.pipe = pipe or prepare(self.model, plan, timeout=timeout, autocast_dtype=autocast_dtype)
         self._train_collator = self.data_collator
         if aqsgd and train_dataset is not None:
             length = pad_to_length or _longest_row(train_dataset)
             pad_id = getattr(self.processing_class, "pad_token_id", None)
             self._train_collator = PadToLength(self.data_collator, length, pad_id if pad_id is not None else 0)
+
+    def _move_model_to_device(self, model, device) -> None:
+        """With several processes the pipeline places only this rank's stage on its device (the
+        other stages may not even be loaded); in one process, as Trainer does."""
+        if self.args.world_size == 1:
+            super()._move_model_to_device(model, device)
 
     # ------------------------------------------------------------------------- data
     def _set_signature_columns_if_needed(self) -> None:

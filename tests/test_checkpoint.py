@@ -46,3 +46,4 @@ def test_missing_rank_is_a_clear_error(tmp_path):
     save_state(tmp_path, 0, {"x": torch.zeros(2)}, metadata(PLAN))
     with pytest.raises(FileNotFoundError, match="No compression state for rank 1"):
         load_state(tmp_path, 1, metadata(PLAN, stage=1))
+

@@ -207,3 +207,30 @@ def test_mmap_store_removes_what_it_created(tmp_path, in_temp_dir, how):
         assert not os.path.exists(directory)
     else:
         assert os.listdir(directory) == []
+
+
+def _anonymous_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def test_mmap_memory_goes_from_checkpoint_to_table_without_a_copy_in_ram(tmp_path):
+    """A resumed mmap store is allocated at load and filled from a memory map of the checkpoint:
+    the process's anonymous memory does not grow by the table's size (load_file would add 128 MiB)."""
+    from hf_actcomp.checkpoint import load_state, save_state
+
+    config = MemoryConfig(store="mmap", dtype="fp32", num_samples=128, path=str(tmp_path / "a"))
+    a = MemoryStore(128, config)
+    a.write(torch.arange(128), torch.ones(128, 256, 1024))  # 128 MiB
+    a.values[5, 3, 7] = 2.0
+    meta = {"plan": {}, "world_size": 1, "stage": 0, "blocks": [0, 1]}
+    save_state(tmp_path / "state", 0, a.state_dict(), meta)
+    a.close()
+    b = MemoryStore(128, MemoryConfig(store="mmap", dtype="fp32", num_samples=128, path=str(tmp_path / "b")))
+    before = _anonymous_rss()
+    b.load_state_dict(load_state(tmp_path / "state", 0, meta))
+    grown = _anonymous_rss() - before
+    assert b._loaded is None and b.values.shape == (128, 256, 1024)
+    assert grown < 32 * 2**20, f"anonymous memory grew by {grown / 2**20:.0f} MiB"
+    assert b.values[5, 3, 7] == 2.0 and b.values[6, 3, 7] == 1.0 and bool(b.seen.all())
+    b.close()

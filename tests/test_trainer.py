@@ -68,6 +68,19 @@ def test_in_process_matches_plain_trainer(tmp_path):
     assert metrics["eval_perplexity"] == pytest.approx(torch.tensor(metrics["eval_loss"]).exp().item(), rel=1e-6)
 
 
+def test_model_given_by_path_in_one_process(tmp_path):
+    """One process loads a path whole (from_pretrained), in torch_dtype; torch_dtype with an
+    in-memory model is refused."""
+    debug_model("llama", seed=0).save_pretrained(tmp_path / "checkpoint")
+    args = training_args(str(tmp_path / "ours"))
+    trainer = ActCompTrainer(model=str(tmp_path / "checkpoint"), args=args, plan=Plan(num_stages=2),
+                             torch_dtype=torch.bfloat16, train_dataset=ragged_dataset(), data_collator=pad_collator)
+    assert type(trainer.model).__name__ == "LlamaForCausalLM" and trainer.sim is not None
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="torch_dtype applies when ActCompTrainer loads a checkpoint"):
+        ActCompTrainer(model=debug_model("llama"), args=args, plan=Plan(num_stages=2), torch_dtype=torch.bfloat16)
+
+
 def test_activation_checkpointing_in_process_is_exact(tmp_path):
     """TrainingArguments(activation_checkpointing=True): every block recomputes its activations in
     the backward (transformers' own checkpointing, inside each stage); same run as without."""
@@ -222,14 +235,20 @@ def _stage_weights(out: str, world: int, num_stages: int) -> list[dict[str, torc
 def test_distributed_matches_plain_trainer(tmp_path, data_parallel):
     """Codec none on 2 (or 2 x 2) processes: the logged losses and norms, and every stage's final
     weights, equal plain Trainer's on the unsplit model with the replicas' global batch (2 stages:
-    with activation checkpointing on)."""
+    with activation checkpointing on, and the model given as a checkpoint path: each rank loads
+    only its stage)."""
     world = 2 * data_parallel
     reference_model = debug_model("gpt2", seed=0)
-    reference = _reference(tmp_path, reference_model, batch_size=4 * data_parallel)
     spec = {"plan": {"num_stages": 2, "data_parallel": data_parallel}, "evaluate": True,
             # 2 stages: also with every block recomputed in the backward (the numbers do not change)
             "args": {"activation_checkpointing": data_parallel == 1}}
+    if data_parallel == 1:
+        reference_model.save_pretrained(tmp_path / "checkpoint")  # before the reference trains it
+        spec["model_path"] = str(tmp_path / "checkpoint")
+    reference = _reference(tmp_path, reference_model, batch_size=4 * data_parallel)
     out, results = _run(tmp_path, "ours", world, spec)
+    if data_parallel == 1:  # the other stage's blocks were never loaded
+        assert all(result["meta_parameters"] > 0 for result in results)
     expected_eval = _token_weighted_loss(reference_model, ragged_dataset(8, seed=1), batch_size=4)
     for rank, result in enumerate(results):
         norms = [h["grad_norm"] for h in result["logs"]]

@@ -1,7 +1,8 @@
 """Worker of the multi-process ActCompTrainer tests: `python trainer_worker.py SPEC_JSON OUT_DIR`.
 
 SPEC: {"family", "dtype", "plan" (Plan dict), "args" (TrainingArguments overrides), "lora" (bool),
-"resume" (checkpoint dir or null), "save" (dir or null), "evaluate" (bool)}. Each rank writes its logged losses
+"resume" (checkpoint dir or null), "save" (dir or null), "evaluate" (bool), "model_path" (a saved
+checkpoint given to ActCompTrainer by path instead of the in-memory debug model)}. Each rank writes its logged losses
 (`losses-rank{r}.json`) and its stage's parameters (`weights-rank{r}.safetensors`).
 """
 
@@ -20,7 +21,8 @@ from trainer_cases import lora_model, pad_collator, ragged_dataset, training_arg
 
 
 def main(spec: dict, out_dir: str) -> None:
-    model = debug_model(spec.get("family", "gpt2"), seed=0).to(getattr(torch, spec.get("dtype", "float32")))
+    model = spec.get("model_path") or \
+        debug_model(spec.get("family", "gpt2"), seed=0).to(getattr(torch, spec.get("dtype", "float32")))
     if spec.get("lora"):
         model = lora_model(model)
     plan = hf_actcomp.Plan.from_dict(spec["plan"])
@@ -34,7 +36,8 @@ def main(spec: dict, out_dir: str) -> None:
         trainer.save_model(spec["save"])
     logs = [h for h in trainer.state.log_history if "loss" in h]
     with open(os.path.join(out_dir, f"losses-rank{rank}.json"), "w") as f:
-        json.dump({"losses": [h["loss"] for h in logs], "logs": logs, "metrics": metrics}, f)
+        json.dump({"losses": [h["loss"] for h in logs], "logs": logs, "metrics": metrics,
+                   "meta_parameters": sum(p.device.type == "meta" for p in trainer.model.parameters())}, f)
     weights = {n: p.detach().contiguous() for n, p in trainer.pipe.stage.named_parameters()}
     save_file(weights, os.path.join(out_dir, f"weights-rank{rank}.safetensors"))
 
