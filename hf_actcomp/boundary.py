@@ -26,13 +26,17 @@ class Boundary:
         memory: AQ-SGD memory settings (forward direction only).
         sender / receiver: which ends live in this process.
         track_error: let a stateless sender decode its own payload to report relative errors.
+        sample_range: AQ-SGD: the sample ids this process keeps memory for (a data-parallel
+            replica's shard); default every id in `[0, memory.num_samples)`.
     """
 
     def __init__(self, name: str, compression: Compression, memory: MemoryConfig | None = None, *,
-                 sender: bool = True, receiver: bool = True, track_error: bool = True) -> None:
+                 sender: bool = True, receiver: bool = True, track_error: bool = True,
+                 sample_range: range | None = None) -> None:
         self.name = name
-        self.sender = build_sender(compression, memory, name, track_error=track_error) if sender else None
-        self.receiver = build_receiver(compression, memory, name) if receiver else None
+        self.sender = build_sender(compression, memory, name, track_error=track_error,
+                                   sample_range=sample_range) if sender else None
+        self.receiver = build_receiver(compression, memory, name, sample_range=sample_range) if receiver else None
         # Stateless codec for evaluation: AQ-SGD memory and feedback state belong to training.
         self.inference = build_inference_codec(compression)
         self.stats = ChannelStats()

@@ -104,13 +104,21 @@ class AQSGDReceiver(Receiver):
     """AQ-SGD: m(xi) per sample; the payload carries Q(a - m) for seen samples, and the first-visit
     encoding for new ones. The output, and the new m, is m + decoded delta."""
 
-    def __init__(self, compression: Compression, memory: MemoryConfig, name: str) -> None:
+    def __init__(self, compression: Compression, memory: MemoryConfig, name: str,
+                 sample_range: range | None = None) -> None:
         super().__init__(build_codec(compression))
         self.first_codec = make_codec("none") if compression.first_visit == "full" else build_codec(compression)
-        self.memory = MemoryStore(memory.num_samples, memory, name=name)
+        # A data-parallel replica keeps rows for its shard's ids only; row = id - shard start.
+        self.sample_range = sample_range
+        rows = len(sample_range) if sample_range is not None else memory.num_samples
+        self.memory = MemoryStore(rows, memory, name=name)
 
     def _split(self, shape: Sequence[int], sample_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ids = check_sample_ids(sample_ids, self.memory.num_samples, shape[0])
+        """(memory rows of the batch, positions of unseen rows, positions of seen rows)."""
+        shard = self.sample_range
+        ids = check_sample_ids(sample_ids, shard if shard is not None else self.memory.num_samples, shape[0])
+        if shard is not None:
+            ids = ids - shard.start
         seen = self.memory.is_seen(ids)
         return ids, (~seen).nonzero().flatten(), seen.nonzero().flatten()
 
@@ -245,31 +253,33 @@ class AQSGDSender(Sender):
             delta = x.index_select(0, seen.to(x.device)).float() - m
             parts.append(self.codec.encode(delta.to(x.dtype)))
         payload = torch.cat(parts) if len(parts) > 1 else parts[0]
-        self._replay(payload, x, ids, slot)
+        self._replay(payload, x, sample_ids, slot)  # the ids, not the memory rows: the mirror maps them again
         return payload
 
 
 # ---------------------------------------------------------------------------------- factory
-def build_receiver(compression: Compression, memory: MemoryConfig | None = None, name: str = "boundary") -> Receiver:
-    """The receiving end of one boundary direction."""
+def build_receiver(compression: Compression, memory: MemoryConfig | None = None, name: str = "boundary",
+                   sample_range: range | None = None) -> Receiver:
+    """The receiving end of one boundary direction (AQ-SGD: memory for `sample_range`'s ids, by
+    default every sample's)."""
     if compression.method == "aqsgd":
         if memory is None:
             raise ValueError("AQ-SGD needs a MemoryConfig.")
-        return AQSGDReceiver(compression, memory, name=f"{name}.receiver")
+        return AQSGDReceiver(compression, memory, name=f"{name}.receiver", sample_range=sample_range)
     if compression.feedback == "ef21":
         return EF21Receiver(build_codec(compression))
     return Receiver(build_codec(compression))
 
 
 def build_sender(compression: Compression, memory: MemoryConfig | None = None, name: str = "boundary",
-                 track_error: bool = False) -> Sender:
+                 track_error: bool = False, sample_range: range | None = None) -> Sender:
     """The sending end of one boundary direction, with a mirror of the receiver when its state
     (or `track_error`) needs the reconstruction."""
     codec = build_codec(compression)
     if compression.method == "aqsgd":
         if memory is None:
             raise ValueError("AQ-SGD needs a MemoryConfig.")
-        return AQSGDSender(codec, AQSGDReceiver(compression, memory, name=f"{name}.sender"))
+        return AQSGDSender(codec, AQSGDReceiver(compression, memory, name=f"{name}.sender", sample_range=sample_range))
     if compression.feedback == "ef21":
         return EF21Sender(codec, EF21Receiver(build_codec(compression)))
     if compression.feedback == "ef":

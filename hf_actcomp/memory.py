@@ -46,11 +46,21 @@ def _remove_created(created: list[str]) -> None:
                 pass
 
 
-def check_sample_ids(sample_ids: torch.Tensor | None, num_samples: int, batch_size: int) -> torch.Tensor:
+def replica_sample_range(num_samples: int, num_replicas: int, replica: int) -> range:
+    """The sample ids whose AQ-SGD memory data-parallel replica `replica` keeps: its contiguous,
+    equal shard of the data set (`Pipeline.shard_dataset` gives each replica these rows)."""
+    if num_samples < num_replicas:
+        raise ValueError(f"memory.num_samples={num_samples} cannot give {num_replicas} replicas a sample each.")
+    size = num_samples // num_replicas
+    return range(replica * size, (replica + 1) * size)
+
+
+def check_sample_ids(sample_ids: torch.Tensor | None, num_samples: int | range, batch_size: int) -> torch.Tensor:
     """Validate a batch's `sample_id` column and return it as a CPU int64 tensor.
 
-    AQ-SGD writes memory at these indices, so a wrong id would silently corrupt another sample's
-    memory: every problem is an error naming the bad value.
+    `num_samples` is the data set's size, or the range of ids this process keeps memory for (a
+    data-parallel replica's shard). AQ-SGD writes memory at these indices, so a wrong id would
+    silently corrupt another sample's memory: every problem is an error naming the bad value.
     """
     if sample_ids is None:
         raise ValueError(
@@ -67,9 +77,18 @@ def check_sample_ids(sample_ids: torch.Tensor | None, num_samples: int, batch_si
     if ids.numel() == 0:
         return ids
     low, high = int(ids.min()), int(ids.max())
-    if low < 0:
+    if isinstance(num_samples, range):
+        shard = num_samples
+        if low < shard.start or high >= shard.stop:
+            bad = low if low < shard.start else high
+            raise ValueError(
+                f"sample_id {bad} is outside this data-parallel replica's shard [{shard.start}, {shard.stop}): "
+                "each replica keeps AQ-SGD memory for its contiguous shard of the data set only. Shard with "
+                "Pipeline.shard_dataset(dataset) after add_sample_ids (ActCompTrainer does both)."
+            )
+    elif low < 0:
         raise ValueError(f"sample_id {low} is negative; ids must lie in [0, {num_samples}).")
-    if high >= num_samples:
+    elif high >= num_samples:
         raise ValueError(
             f"sample_id {high} is out of range: memory.num_samples={num_samples}, so ids must lie "
             f"in [0, {num_samples}). Set MemoryConfig(num_samples=len(train_dataset))."

@@ -109,6 +109,8 @@ class ActCompTrainer(Trainer):
         if aqsgd and train_dataset is not None:
             kwargs["train_dataset"] = train_dataset = _with_sample_ids(train_dataset)
             plan = _with_num_samples(plan, max(len(train_dataset), max(train_dataset[SAMPLE_ID]) + 1))
+            if plan.data_parallel > 1:
+                _check_ids_are_rows(train_dataset, plan)
         autocast_dtype = torch.bfloat16 if args.bf16 else None
         pipe = None
         if isinstance(model, (str, os.PathLike)):
@@ -157,6 +159,11 @@ class ActCompTrainer(Trainer):
         else:
             collator = self._get_collator_with_removed_columns(collator, description=description)
         replicas, index = (self.pipe.num_replicas, self.pipe.replica) if self.pipe and is_training else (1, 0)
+        shards = replicas
+        if replicas > 1 and self.pipe.sample_range is not None:
+            # AQ-SGD: a fixed contiguous shard per replica, whose sample ids its memory holds
+            # (Trainer's shuffle then runs within the shard), instead of batches dealt round-robin.
+            dataset, shards = self.pipe.shard_dataset(dataset), 1
         workers = self.args.dataloader_num_workers
         params: dict[str, Any] = {"batch_size": batch_size, "collate_fn": collator, "num_workers": workers,
                                   "pin_memory": self.args.dataloader_pin_memory}
@@ -170,7 +177,7 @@ class ActCompTrainer(Trainer):
             params["drop_last"] = self.args.dataloader_drop_last
         acc = self.accelerator
         return prepare_data_loader(
-            DataLoader(dataset, **params), acc.device, num_processes=replicas, process_index=index,
+            DataLoader(dataset, **params), acc.device, num_processes=shards, process_index=index if shards > 1 else 0,
             split_batches=acc.split_batches, put_on_device=acc.device_placement, rng_types=acc.rng_types.copy(),
             even_batches=acc.even_batches, use_seedable_sampler=acc.use_seedable_sampler,
             data_seed=acc.dataloader_config.data_seed, non_blocking=acc.non_blocking,
@@ -395,6 +402,20 @@ _REFUSED = {
     "fp16": "fp16 needs a loss scaler shared by all stages; use bf16=True",
     "torch_compile": "the stages are not compiled yet",
 }
+
+
+def _check_ids_are_rows(dataset: datasets.Dataset, plan: Plan) -> None:
+    """Data-parallel AQ-SGD shards the data set by rows and keeps each replica's memory for the
+    ids of its rows, so `sample_id` must be the row index (as `add_sample_ids` makes it)."""
+    if plan.memory.num_samples != len(dataset):
+        raise ValueError(f"AQ-SGD with data_parallel > 1 shards memory.num_samples={plan.memory.num_samples} "
+                         f"like the {len(dataset)} rows of train_dataset: they must be equal.")
+    ids = dataset[SAMPLE_ID]
+    wrong = next((row for row, sample in enumerate(ids) if sample != row), None)
+    if wrong is not None:
+        raise ValueError(f"AQ-SGD with data_parallel > 1 needs sample_id == row index (row {wrong} has sample_id "
+                         f"{ids[wrong]}): each replica keeps memory for its shard of rows. Drop the column and let "
+                         "ActCompTrainer add it, or call hf_actcomp.add_sample_ids(dataset).")
 
 
 def _check_arguments(args: TrainingArguments, plan: Plan, kwargs: dict[str, Any]) -> None:

@@ -49,6 +49,7 @@ def test_per_stage_loading_equals_full_load(tmp_path, family, num_stages, dtype)
             check_stage_grads(got, params, partners, f"{family}/rank{rank}", seen)
         # Only this stage was materialised: at most its own parameters (tied copies counted once).
         assert got["held"].item() <= got["stage_numel"].item() < total
+        assert got["checkpointed"].item() == (num_stages == 3)  # prepare(activation_checkpointing=True)
     if dtype == "float32":
         assert seen == set(params), f"parameters missing on every stage: {set(params) - seen}"
 

@@ -234,3 +234,49 @@ def test_mmap_memory_goes_from_checkpoint_to_table_without_a_copy_in_ram(tmp_pat
     assert grown < 32 * 2**20, f"anonymous memory grew by {grown / 2**20:.0f} MiB"
     assert b.values[5, 3, 7] == 2.0 and b.values[6, 3, 7] == 1.0 and bool(b.seen.all())
     b.close()
+
+
+def test_replica_shards_and_their_sample_ids():
+    from hf_actcomp import Compression
+    from hf_actcomp.feedback import AQSGDReceiver
+    from hf_actcomp.memory import replica_sample_range
+
+    assert [replica_sample_range(10, 2, r) for r in (0, 1)] == [range(0, 5), range(5, 10)]
+    assert replica_sample_range(11, 3, 2) == range(6, 9)  # like shard_dataset: the last 11 % 3 rows dropped
+    with pytest.raises(ValueError, match="memory.num_samples=1 cannot give 2 replicas a sample each"):
+        replica_sample_range(1, 2, 0)
+    assert check_sample_ids(torch.tensor([5, 9]), range(5, 10), 2).tolist() == [5, 9]
+    with pytest.raises(ValueError, match=r"sample_id 4 is outside this data-parallel replica's shard \[5, 10\)"):
+        check_sample_ids(torch.tensor([4, 6]), range(5, 10), 2)
+    with pytest.raises(ValueError, match=r"sample_id 10 is outside"):
+        check_sample_ids(torch.tensor([6, 10]), range(5, 10), 2)
+
+    # The replica's receiver keeps 5 rows; sample 7 is row 2.
+    config = MemoryConfig(store="host", dtype="fp32", num_samples=10)
+    receiver = AQSGDReceiver(Compression("aqsgd", bits=4), config, name="b0", sample_range=range(5, 10))
+    assert receiver.memory.num_samples == 5
+    x = torch.randn(2, 3, 8)
+    payload = torch.cat([x.reshape(-1).view(torch.uint8)])  # first visit: sent in full
+    out = receiver.decode(payload, x.shape, x.dtype, sample_ids=torch.tensor([7, 5]))
+    assert torch.equal(out, x) and receiver.memory.seen.tolist() == [True, False, True, False, False]
+    assert torch.equal(receiver.memory.read(torch.tensor([2]), torch.device("cpu"), torch.float32)[0], x[0])
+
+
+def test_sender_and_receiver_of_a_replica_shard_stay_in_step():
+    """Replica 1 of 2 over 10 samples: ids 5..9, memory rows 0..4, on both ends, over revisits."""
+    from hf_actcomp import Compression
+    from hf_actcomp.feedback import build_receiver, build_sender
+
+    config = MemoryConfig(store="host", dtype="fp32", num_samples=10)
+    compression = Compression("aqsgd", bits=4)
+    sender = build_sender(compression, config, "b0", sample_range=range(5, 10))
+    receiver = build_receiver(compression, config, "b0", sample_range=range(5, 10))
+    ids = torch.tensor([9, 6])
+    for step in range(3):
+        x = torch.randn(2, 3, 8) + step
+        payload = sender.encode(x, sample_ids=ids)
+        out = receiver.decode(payload, x.shape, x.dtype, sample_ids=ids)
+        assert torch.equal(out, sender.last_reconstruction)
+        if step == 0:
+            assert torch.equal(out, x)  # first visit: in full
+    assert receiver.memory.seen.tolist() == [False, True, False, False, True]

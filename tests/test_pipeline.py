@@ -253,10 +253,20 @@ def test_pipeline_x_data_parallel_matches_unsplit_model_on_the_full_batch(tmp_pa
 
 
 def test_pipeline_x_data_parallel_with_a_compressed_hook(tmp_path):
+    """TopK on the data-parallel gradients and AQ-SGD on the boundary: each replica keeps AQ-SGD
+    memory for its own shard's 4 sample ids only, and refuses the other shard's ids."""
     run_workers("pipeline_worker.py", 4, ["two_d", str(tmp_path), "topk"], timeout=300)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert reports[0]["losses"] == reports[1]["losses"]  # one value per pipeline, on every stage
     assert reports[0]["losses"][-1] < reports[0]["losses"][0]
+    for r in reports:
+        start = 4 * r["replica"]
+        assert r["sample_range"] == list(range(start, start + 4)) and r["memory_rows"] == 4
+        other = 4 - start
+        assert r["wrong_shard"] == (
+            f"sample_id {other if other < start else other + 3} is outside this data-parallel replica's shard "
+            f"[{start}, {start + 4}): each replica keeps AQ-SGD memory for its contiguous shard of the data set "
+            "only. Shard with Pipeline.shard_dataset(dataset) after add_sample_ids (ActCompTrainer does both).")
     for r in reports:
         assert r["dp"]["hook"] == "topk" and r["dp"]["steps"] == 6 and r["dp"]["compression_ratio"] > 2
     # A lossy hook must not let copies drift: the replicas' copies of every stage stay bitwise

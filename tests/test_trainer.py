@@ -5,6 +5,7 @@ checkpoint, AQ-SGD with dynamic padding, and what is refused before training."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from types import SimpleNamespace
 
@@ -324,6 +325,18 @@ def test_distributed_resume_continues_exactly(tmp_path):
         assert part[rank]["losses"] == full[rank]["losses"]  # the first steps come from the checkpoint's history
         for name, value in _stage_weights(resumed, 2, 2)[rank].items():
             torch.testing.assert_close(value, _stage_weights(straight, 2, 2)[rank][name], rtol=0, atol=0, msg=name)
+
+
+def test_distributed_aqsgd_keeps_each_replicas_shard_only(tmp_path):
+    """2 stages x 2 replicas with AQ-SGD: each replica trains on a fixed contiguous half of the 32
+    rows (shuffled within it), keeps memory for those 16 ids only, and visits all of them."""
+    plan = Plan(num_stages=2, data_parallel=2, forward=Compression("aqsgd", bits=4))
+    _, results = _run(tmp_path, "ours", 4, {"plan": plan.to_dict(), "args": {"max_steps": 4}})
+    for rank, result in enumerate(results):
+        start = 16 * (rank // 2)
+        assert result["memory"] == {"sample_range": list(range(start, start + 16)), "rows": 16, "seen": 16}
+        assert all(math.isfinite(loss) for loss in result["losses"])
+    assert results[0]["losses"] == results[1]["losses"]  # one pipeline, one loss
 
 
 def test_distributed_bf16_base_with_fp32_lora(tmp_path):

@@ -29,8 +29,10 @@ def count_label_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != -100).sum())
 
 
-def check_batch(batch: dict[str, torch.Tensor], plan: Plan, training: bool) -> None:
-    """Raise a ValueError that says what is wrong with `batch` for this plan."""
+def check_batch(batch: dict[str, torch.Tensor], plan: Plan, training: bool,
+                sample_range: range | None = None) -> None:
+    """Raise a ValueError that says what is wrong with `batch` for this plan (AQ-SGD sample ids:
+    within `sample_range` when this replica keeps memory for a shard only)."""
     unknown = set(batch) - set(BATCH_KEYS)
     if "input_ids" not in batch or unknown:
         raise ValueError(
@@ -51,7 +53,7 @@ def check_batch(batch: dict[str, torch.Tensor], plan: Plan, training: bool) -> N
                 "AQ-SGD needs a 'sample_id' entry in every training batch. "
                 "Add it with hf_actcomp.add_sample_ids(dataset)."
             )
-        check_sample_ids(batch["sample_id"], plan.memory.num_samples, rows)
+        check_sample_ids(batch["sample_id"], sample_range or plan.memory.num_samples, rows)
 
 
 def split_batch(batch: dict[str, torch.Tensor], num_micro: int, device: torch.device) -> list[MicroBatch]:

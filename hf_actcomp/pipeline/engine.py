@@ -25,6 +25,7 @@ from ..boundary import Boundary
 from ..codecs import make_codec
 from ..dp import make_compressor
 from ..dp.base import ring_allreduce_bytes
+from ..memory import replica_sample_range
 from ..models import get_adapter, unwrap_peft
 from ..models.split import stage_ranges
 from ..plan import Plan
@@ -122,14 +123,20 @@ class Pipeline(nn.Module):
         self.traffic = {"tie": TrafficCounter(), "collectives": TrafficCounter(), "evaluation": TrafficCounter()}
 
         # The ends of the two boundaries this stage touches (boundary b joins stage b and b+1).
+        # With data parallelism, AQ-SGD memory holds only this replica's shard of the samples.
+        self.sample_range = None
+        if plan.forward.method == "aqsgd" and self.mesh.num_replicas > 1:
+            self.sample_range = replica_sample_range(plan.memory.num_samples, self.mesh.num_replicas,
+                                                     self.mesh.replica)
         self.forward_in = self.backward_out = self.forward_out = self.backward_in = None
         if s > 0:
-            self.forward_in = Boundary(f"boundary{s - 1}.forward", plan.forward, plan.memory, sender=False)
+            self.forward_in = Boundary(f"boundary{s - 1}.forward", plan.forward, plan.memory, sender=False,
+                                       sample_range=self.sample_range)
             self.backward_out = Boundary(f"boundary{s - 1}.backward", plan.backward, receiver=False,
                                          track_error=track_error)
         if s < last:
             self.forward_out = Boundary(f"boundary{s}.forward", plan.forward, plan.memory, receiver=False,
-                                        track_error=track_error)
+                                        track_error=track_error, sample_range=self.sample_range)
             self.backward_in = Boundary(f"boundary{s}.backward", plan.backward, sender=False)
         self.dp_compressor = None
         if self.dp_group is not None:
@@ -204,7 +211,7 @@ class Pipeline(nn.Module):
                 `model(**batch, num_items_in_batch=...)`. Default: this step's tokens.
             sync: average over replicas after this step (default: True outside `no_sync()`).
         """
-        check_batch(batch, self.plan, training=True)
+        check_batch(batch, self.plan, training=True, sample_range=self.sample_range)
         self.stage.train()
         start = time.perf_counter()
         micro = split_batch(batch, self.plan.micro_batches, self.device)
@@ -375,7 +382,8 @@ class Pipeline(nn.Module):
     def shard_dataset(self, dataset):
         """This replica's shard of a `datasets.Dataset`: contiguous, and of the SAME length on every
         replica (the last `len % data_parallel` rows are dropped), so that replicas run the same
-        number of steps and none waits forever at a collective."""
+        number of steps and none waits forever at a collective. With AQ-SGD, add sample ids to the
+        whole data set first: the replica keeps memory for its shard's ids only (`sample_range`)."""
         replicas = self.num_replicas
         if replicas == 1:
             return dataset
@@ -520,7 +528,8 @@ class Pipeline(nn.Module):
 
 def prepare(model: nn.Module | str | os.PathLike, plan: Plan, *, device: torch.device | str | None = None,
             timeout: float = DEFAULT_TIMEOUT, autocast_dtype: torch.dtype | None = None,
-            track_error: bool = True, torch_dtype: torch.dtype | None = None) -> Pipeline:
+            track_error: bool = True, torch_dtype: torch.dtype | None = None,
+            activation_checkpointing: bool = False) -> Pipeline:
     """Split `model` into the plan's stages across the processes of this job; keep this rank's.
 
     Call in every process with the same model (same initialisation) and plan. The plan must have
@@ -532,6 +541,8 @@ def prepare(model: nn.Module | str | os.PathLike, plan: Plan, *, device: torch.d
         autocast_dtype: e.g. `torch.bfloat16` to run the stage under autocast.
         track_error: also decode each payload on the sender to report relative errors.
         torch_dtype: the dtype a checkpoint's floating-point weights are loaded in.
+        activation_checkpointing: recompute each block's activations in the backward instead of
+            keeping them (transformers' own per-layer checkpointing, inside the stage); same numbers.
     """
     if isinstance(model, (str, os.PathLike)):
         if not isinstance(plan, Plan):
@@ -544,6 +555,8 @@ def prepare(model: nn.Module | str | os.PathLike, plan: Plan, *, device: torch.d
     elif torch_dtype is not None:
         raise ValueError("torch_dtype applies when prepare() loads a checkpoint by name or path; convert an "
                          "in-memory model with model.to(dtype) instead.")
+    if activation_checkpointing:
+        unwrap_peft(model).activation_checkpointing_enable()
     return Pipeline(model, plan, device=device, timeout=timeout, autocast_dtype=autocast_dtype,
                     track_error=track_error)
 

@@ -23,7 +23,9 @@ def main(checkpoint: str, out_dir: str, dtype: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = Plan(num_stages=world, micro_batches=world)
-    pipe = hf_actcomp.prepare(checkpoint, plan, torch_dtype=getattr(torch, dtype), timeout=60)
+    # 3 stages: with every block recomputed in the backward (the numbers must not change)
+    pipe = hf_actcomp.prepare(checkpoint, plan, torch_dtype=getattr(torch, dtype), timeout=60,
+                              activation_checkpointing=world == 3)
     held = sum(p.numel() for p in pipe.model.parameters() if p.device.type != "meta")
     out = pipe.train_step(padded_batch(pipe.config.vocab_size))
     tensors = {f"param.{n}": p.detach() for n, p in pipe.stage.named_parameters()}
@@ -31,6 +33,8 @@ def main(checkpoint: str, out_dir: str, dtype: str) -> None:
                     else torch.zeros(1)) for n, p in pipe.stage.named_parameters()})
     tensors["loss"] = out.loss.reshape(1)
     tensors["held"] = torch.tensor([held])
+    blocks = [m for m in pipe.stage.modules() if hasattr(m, "gradient_checkpointing")]
+    tensors["checkpointed"] = torch.tensor([bool(blocks) and all(m.gradient_checkpointing for m in blocks)])
     tensors["stage_numel"] = torch.tensor([sum(p.numel() for p in pipe.stage.parameters())])
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out_dir, f"rank{rank}.safetensors"))
     pipe.save_pretrained(os.path.join(out_dir, "saved"))  # no model= needed: the pipeline keeps its skeleton

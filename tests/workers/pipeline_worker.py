@@ -15,7 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import hf_actcomp
-from hf_actcomp import Plan
+from hf_actcomp import Compression, MemoryConfig, Plan
 from hf_actcomp.debug import DEBUG_FAMILIES, debug_model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -227,12 +227,26 @@ def accelerate_state(out_dir: str) -> None:
 
 
 def two_d(out_dir: str, hook: str) -> None:
-    """S=2 x D=2: replica r trains on rows [4r, 4r+4) of one global batch of 8."""
+    """S=2 x D=2: replica r trains on rows [4r, 4r+4) of one global batch of 8 (with a compressed
+    hook: AQ-SGD on the boundary, each replica keeping memory for its 4 sample ids only)."""
     model = debug_model("gpt2", seed=0)
     dp_compression = "allreduce" if hook == "allreduce" else {"method": hook, "ratio": 0.1}
-    plan = Plan(num_stages=2, data_parallel=2, micro_batches=2, dp_compression=dp_compression)
+    aqsgd = {} if hook == "allreduce" else dict(forward=Compression("aqsgd", bits=4),
+                                                memory=MemoryConfig(num_samples=8))
+    plan = Plan(num_stages=2, data_parallel=2, micro_batches=2, dp_compression=dp_compression, **aqsgd)
     pipe = hf_actcomp.prepare(model, plan, timeout=60)
     full = padded_batch(model.config.vocab_size, batch=8)
+    if aqsgd:
+        full["sample_id"] = torch.arange(8)
+        boundary = pipe.forward_out or pipe.forward_in
+        end = boundary.sender or boundary.receiver
+        memory_rows = end.memory.num_samples if hasattr(end, "memory") else end.mirror.memory.num_samples
+        other = slice(4 * (1 - pipe.replica), 4 * (1 - pipe.replica) + 4)
+        try:
+            pipe.train_step({k: v[other] for k, v in full.items()})
+            wrong_shard = None
+        except ValueError as err:
+            wrong_shard = str(err)
     full["attention_mask"][4, -7:] = 0  # the replicas' shards have different token counts
     full["labels"][4, -7:] = -100
     rows = slice(4 * pipe.replica, 4 * pipe.replica + 4)
@@ -266,7 +280,8 @@ def two_d(out_dir: str, hook: str) -> None:
                   os.path.join(out_dir, f"accumulated-rank{dist.get_rank()}.safetensors"))
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"losses": losses, "replica": pipe.replica, "stage": pipe.stage_index,
-                   "dp": pipe.stats()["data_parallel"]}, f)
+                   "dp": pipe.stats()["data_parallel"], "sample_range": list(pipe.sample_range or []),
+                   "memory_rows": memory_rows if aqsgd else None, "wrong_shard": wrong_shard if aqsgd else None}, f)
 
 
 def gradient_rules(out_dir: str) -> None:

@@ -37,9 +37,20 @@ def main(spec: dict, out_dir: str) -> None:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     with open(os.path.join(out_dir, f"losses-rank{rank}.json"), "w") as f:
         json.dump({"losses": [h["loss"] for h in logs], "logs": logs, "metrics": metrics,
-                   "meta_parameters": sum(p.device.type == "meta" for p in trainer.model.parameters())}, f)
+                   "meta_parameters": sum(p.device.type == "meta" for p in trainer.model.parameters()),
+                   "memory": _memory_report(trainer.pipe)}, f)
     weights = {n: p.detach().contiguous() for n, p in trainer.pipe.stage.named_parameters()}
     save_file(weights, os.path.join(out_dir, f"weights-rank{rank}.safetensors"))
+
+
+def _memory_report(pipe) -> dict | None:
+    """AQ-SGD: the sample ids this rank keeps memory for, its rows, and how many were visited."""
+    boundary = pipe.forward_out or pipe.forward_in
+    end = boundary.receiver if boundary.receiver is not None else boundary.sender.mirror
+    if not hasattr(end, "memory"):
+        return None
+    return {"sample_range": list(pipe.sample_range or []), "rows": end.memory.num_samples,
+            "seen": int(end.memory.seen.sum())}
 
 
 if __name__ == "__main__":
