@@ -10,6 +10,8 @@ pipeline. With the identity codec it is exact.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -17,6 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from . import checkpoint
 from .boundary import Boundary, prefixed, unprefixed
 from .models import get_adapter
+from .models.router import RouterLoss, router_spec
 from .models.split import stage_ranges
 from .plan import Plan
 from .telemetry import ChannelStats, summarize
@@ -69,6 +72,8 @@ class SimulatedPipeline(nn.Module):
             self.adapter.build_stage(r.start, r.stop, first=i == 0, last=i == last)
             for i, r in enumerate(self.ranges)
         ]
+        # MoE with output_router_logits: transformers' load-balancing loss over every layer.
+        self.router = RouterLoss(model, model) if router_spec(model) is not None else None
         # Both ends of every boundary direction live here: `boundary{b}.forward` / `.backward`.
         self.boundaries: dict[str, Boundary] = {}
         for b in range(last):
@@ -123,19 +128,23 @@ class SimulatedPipeline(nn.Module):
             zip(split(input_ids), split(attention_mask), split(labels), split(sample_id), strict=False)
         ):
             h = ids
-            for s, stage in enumerate(self.stages):
-                h = stage(h, mask)
-                if s < len(self.stages) - 1:
-                    forward = self.boundaries[f"boundary{s}.forward"]
-                    if compress:
-                        h = _CompressedBoundary.apply(h, forward, self.boundaries[f"boundary{s}.backward"], sid, slot)
-                    else:
-                        h = _InferenceBoundary.apply(h, forward)
+            with self.router.collecting() if self.router else contextlib.nullcontext():
+                for s, stage in enumerate(self.stages):
+                    h = stage(h, mask)
+                    if s < len(self.stages) - 1:
+                        forward = self.boundaries[f"boundary{s}.forward"]
+                        if compress:
+                            h = _CompressedBoundary.apply(h, forward, self.boundaries[f"boundary{s}.backward"], sid,
+                                                          slot)
+                        else:
+                            h = _InferenceBoundary.apply(h, forward)
             logits_parts.append(h)
             if lab is not None:
                 part = self.model.loss_function(
                     h, lab, vocab_size=self.model.config.vocab_size, num_items_in_batch=num_items
                 )
+                if self.router is not None:  # per micro-batch, as transformers per forward call
+                    part = part + self.router.whole_loss(*self.router.partial(mask, h.device))
                 loss = part if loss is None else loss + part
         logits = torch.cat(logits_parts) if len(logits_parts) > 1 else logits_parts[0]
         return CausalLMOutputWithPast(loss=loss, logits=logits)

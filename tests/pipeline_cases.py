@@ -3,8 +3,27 @@
 import torch
 
 from hf_actcomp import Compression, MemoryConfig, Plan, get_adapter
+from hf_actcomp.debug import DEBUG_FAMILIES
 
 NUM_SAMPLES = 16
+
+# The pipeline's exactness cases: every family, and Mixtral with its router's load-balancing loss.
+EXACT_CASES = {
+    **{family: (family, {}) for family in DEBUG_FAMILIES},
+    "mixtral-aux": ("mixtral", {"output_router_logits": True, "router_aux_loss_coef": 0.5}),
+}
+
+
+def reference_loss(model, batch: dict, micro_batches: int) -> torch.Tensor:
+    """The unsplit model's loss as a pipeline of `micro_batches` computes it: the token mean over
+    the whole batch, plus, for MoE with output_router_logits, each micro-batch's load-balancing
+    loss (transformers adds it per forward call)."""
+    batch = {k: v for k, v in batch.items() if k != "sample_id"}
+    if not getattr(model.config, "output_router_logits", False):
+        return model(**batch).loss
+    num_items = int((batch["labels"][:, 1:] != -100).sum())
+    parts = zip(*(torch.tensor_split(batch[k], micro_batches) for k in batch), strict=True)
+    return sum(model(**dict(zip(batch, part, strict=True)), num_items_in_batch=num_items).loss for part in parts)
 
 
 def padded_batch(vocab: int, batch: int = 4, length: int = 12, seed: int = 0) -> dict:

@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 
+import hf_actcomp
 import hf_actcomp.models as models
 from hf_actcomp.debug import DEBUG_FAMILIES, debug_config, debug_model, default_attention
 from hf_actcomp.models import (
@@ -397,9 +398,31 @@ def test_check_adapter_catches_a_missing_softcap():
 def test_features_a_stage_cannot_reproduce_are_refused_by_name():
     with pytest.raises(ValueError, match="use_bidirectional_attention=True .* Set it to False"):
         get_adapter(debug_model("gemma3_text", use_bidirectional_attention=True))
-    with pytest.raises(ValueError, match="mixtral: output_router_logits=True adds the router's "
-                       "load-balancing loss.*output_router_logits=False"):
-        get_adapter(debug_model("mixtral", output_router_logits=True))
+    with pytest.raises(ValueError, match="llama: output_router_logits=True but the model declares no router "
+                       "outputs .* Set config.output_router_logits=False"):
+        hf_actcomp.simulate(debug_model("llama", output_router_logits=True), hf_actcomp.Plan(num_stages=2))
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_mixtral_load_balancing_loss_in_process_is_transformers_own(micro_batches):
+    """output_router_logits=True: simulate() adds each micro-batch's router loss exactly as
+    transformers adds it per forward call; loss and every gradient bit for bit."""
+    from pipeline_cases import reference_loss
+
+    model = debug_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)
+    reference = copy.deepcopy(model)
+    batch = padded_batch(256, "left", batch=4)
+    plan = hf_actcomp.Plan(num_stages=2, micro_batches=micro_batches, schedule="gpipe")
+    loss = hf_actcomp.simulate(model, plan)(**batch).loss
+    expected = reference_loss(reference, batch, micro_batches)
+    without_router_loss = debug_model("mixtral")(**{k: v for k, v in batch.items() if k != "sample_id"}).loss
+    assert expected > without_router_loss + 0.5  # coef 0.5 x aux (about E x top_k / E = 2)
+    torch.testing.assert_close(loss, expected, **EXACT)
+    loss.backward()
+    expected.backward()
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **EXACT, msg=name)
 
 
 def test_even_ranges():

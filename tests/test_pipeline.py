@@ -8,15 +8,17 @@ import torch
 from distributed import run_workers
 from pipeline_cases import (
     COMPRESSED_PLANS,
+    EXACT_CASES,
     check_stage_grads,
     padded_batch,
+    reference_loss,
     tie_partners,
     training_batches,
 )
 from safetensors.torch import load_file
 
 from hf_actcomp import simulate
-from hf_actcomp.debug import DEBUG_FAMILIES, debug_model
+from hf_actcomp.debug import debug_model
 from hf_actcomp.pipeline import stage_actions
 
 
@@ -25,20 +27,21 @@ def test_identity_codec_matches_unsplit_model(tmp_path, num_stages):
     """Every family, GPipe and 1F1B, padding and tied embeddings: loss and every parameter's
     gradient on every stage equal the unsplit model's."""
     run_workers("pipeline_worker.py", num_stages, ["exact", str(tmp_path), str(num_stages)], timeout=400)
-    for family in DEBUG_FAMILIES:
-        reference = debug_model(family, seed=0)
+    for case, (family, overrides) in EXACT_CASES.items():
+        reference = debug_model(family, seed=0, **overrides)
         batch = padded_batch(reference.config.vocab_size)
-        loss = reference(**{k: v for k, v in batch.items() if k != "sample_id"}).loss
+        loss = reference_loss(reference, batch, micro_batches=num_stages)
         loss.backward()
         ref_grads = dict(reference.named_parameters(remove_duplicate=False))
         partners = tie_partners(reference)
         for schedule in ("gpipe", "1f1b"):
             seen = set()
             for rank in range(num_stages):
-                got = load_file(tmp_path / f"{family}-{schedule}-rank{rank}.safetensors")
+                got = load_file(tmp_path / f"{case}-{schedule}-rank{rank}.safetensors")
                 torch.testing.assert_close(got["loss"][0], loss.detach(), atol=1e-6, rtol=1e-6)
-                check_stage_grads(got, ref_grads, partners, f"{family}/{schedule}", seen)
-            assert seen == set(ref_grads), f"{family}: parameters missing on every stage: {set(ref_grads) - seen}"
+                torch.testing.assert_close(got["eval_loss"][0], loss.detach(), atol=1e-6, rtol=1e-6)
+                check_stage_grads(got, ref_grads, partners, f"{case}/{schedule}", seen)
+            assert seen == set(ref_grads), f"{case}: parameters missing on every stage: {set(ref_grads) - seen}"
 
 
 @pytest.mark.parametrize("num_stages", [2, 3])

@@ -86,13 +86,6 @@ class DecoderAdapter(ModelAdapter):
                 f"{config.model_type}: use_bidirectional_attention=True (an encoder-style mask) "
                 "is not supported; hf-actcomp splits causal LMs. Set it to False."
             )
-        if getattr(config, "output_router_logits", False):
-            raise ValueError(
-                f"{config.model_type}: output_router_logits=True adds the router's load-balancing "
-                "loss, which sums statistics over the layers of every stage; hf-actcomp does not "
-                "compute it across stages yet. Set config.output_router_logits=False (the default) "
-                "to train on the language-model loss alone."
-            )
         if len(self.blocks()) != config.num_hidden_layers:
             raise ValueError(
                 f"{config.model_type}: the model has {len(self.blocks())} layers but "

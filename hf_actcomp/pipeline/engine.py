@@ -27,6 +27,7 @@ from ..dp import make_compressor
 from ..dp.base import ring_allreduce_bytes
 from ..memory import replica_sample_range
 from ..models import get_adapter, unwrap_peft
+from ..models.router import RouterLoss, router_spec
 from ..models.split import stage_ranges
 from ..plan import Plan
 from ..telemetry import TrafficCounter, summarize
@@ -138,6 +139,11 @@ class Pipeline(nn.Module):
             self.forward_out = Boundary(f"boundary{s}.forward", plan.forward, plan.memory, receiver=False,
                                         track_error=track_error, sample_range=self.sample_range)
             self.backward_in = Boundary(f"boundary{s}.backward", plan.backward, sender=False)
+        # MoE with output_router_logits: the load-balancing loss's statistics ride along with the
+        # activations (forward) and its gradient with the activation gradients (backward).
+        self.router = RouterLoss(model, self.stage) if router_spec(model) is not None else None
+        if self.router is not None:
+            self.traffic["router"] = TrafficCounter()
         self.dp_compressor = None
         if self.dp_group is not None:
             hook, params = plan.dp_hook()
@@ -260,19 +266,23 @@ class Pipeline(nn.Module):
             sender = self.forward_out and (self.forward_out.inference if compress else self._uncompressed)
             for mb in micro:
                 shape = (*mb.input_ids.shape, self.hidden_size)
-                x = mb.input_ids
+                x, side = mb.input_ids, None
                 if not self.is_first:
                     nbytes = receiver.payload_nbytes(shape, self.boundary_dtype)
-                    payload = self.transport.recv(nbytes, self.mesh.prev_rank, self.device, "eval activations")
+                    payload = self.transport.recv(nbytes + self._side_bytes("F"), self.mesh.prev_rank, self.device,
+                                                  "eval activations")
+                    payload, side = self._split_side(payload, nbytes)
                     x = receiver.decode(payload, shape, self.boundary_dtype)
-                with self._autocast():
+                with self._autocast(), self._collecting_routers():
                     out = self.stage(x, mb.attention_mask)
+                stats, probs = self.router.partial(mb.attention_mask, self.device, side) if self.router else (None, None)
                 if self.is_last:
-                    total += self._loss(out, mb.labels, normaliser).float()
+                    loss = self._loss(out, mb.labels, normaliser).float()
+                    total += loss if stats is None else loss + self.router.whole_loss(stats, probs)
                 else:
                     payload = sender.encode(out.to(self.boundary_dtype).contiguous())
                     counter.add(payload.numel(), out.numel() * torch.finfo(self.boundary_dtype).bits // 8)
-                    self.transport.send(payload, self.mesh.next_rank)
+                    self.transport.send(self._with_side(payload, stats), self.mesh.next_rank)
             self.transport.flush()
         finally:
             self.stage.train(was_training)
@@ -308,34 +318,74 @@ class Pipeline(nn.Module):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _forward(self, i: int, mb: MicroBatch, normaliser, pair: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        x = mb.input_ids
+    def _forward(self, i: int, mb: MicroBatch, normaliser, pair: bool) -> tuple:
+        """(input, output or loss, router probabilities or None) of micro-batch `i`, kept for its backward."""
+        x, side = mb.input_ids, None
         if not self.is_first:
             shape = (*mb.input_ids.shape, self.hidden_size)
             nbytes = self.forward_in.payload_nbytes(shape, self.boundary_dtype, mb.sample_id)
-            payload = self.transport.recv(nbytes, self.mesh.prev_rank, self.device, f"activations of micro-batch {i}")
+            payload = self.transport.recv(nbytes + self._side_bytes("F"), self.mesh.prev_rank, self.device,
+                                          f"activations of micro-batch {i}")
+            payload, side = self._split_side(payload, nbytes)
             x = self.forward_in.receive(payload, shape, self.boundary_dtype, sample_ids=mb.sample_id, slot=i)
             x = x.detach().requires_grad_(True)
-        with self._autocast():
+        with self._autocast(), self._collecting_routers():
             out = self.stage(x, mb.attention_mask)
             if self.is_last:
-                return x, self._loss(out, mb.labels, normaliser)
+                loss = self._loss(out, mb.labels, normaliser)
+        stats, probs = self.router.partial(mb.attention_mask, self.device, side) if self.router else (None, None)
+        if self.is_last:
+            if probs is not None:
+                if not probs.requires_grad:  # no router on this stage: a leaf, for its gradient
+                    probs.requires_grad_(True)
+                probs.retain_grad()  # its gradient goes back to every earlier stage's routers
+                loss = loss + self.router.whole_loss(stats, probs)
+            return x, loss, probs
         payload = self.forward_out.send(out.detach().to(self.boundary_dtype), sample_ids=mb.sample_id, slot=i)
-        self.transport.send(payload, self.mesh.next_rank, with_next_recv=pair)
-        return x, out
+        self.transport.send(self._with_side(payload, stats), self.mesh.next_rank, with_next_recv=pair)
+        return x, out, probs
 
-    def _backward(self, i: int, x: torch.Tensor, out: torch.Tensor, pair: bool) -> None:
+    def _backward(self, i: int, x: torch.Tensor, out: torch.Tensor, probs: torch.Tensor | None, pair: bool) -> None:
+        router_grad = None
         if self.is_last:
             out.backward()  # `out` is this micro-batch's loss
+            router_grad = None if probs is None else probs.grad
         else:
             nbytes = self.backward_in.payload_nbytes(out.shape, self.boundary_dtype)
-            payload = self.transport.recv(nbytes, self.mesh.next_rank, self.device, f"gradients of micro-batch {i}")
+            payload = self.transport.recv(nbytes + self._side_bytes("B"), self.mesh.next_rank, self.device,
+                                          f"gradients of micro-batch {i}")
+            payload, router_grad = self._split_side(payload, nbytes)
             grad = self.backward_in.receive(payload, out.shape, self.boundary_dtype, slot=i)
-            out.backward(grad.to(out.dtype))
+            if probs is not None and probs.requires_grad:
+                torch.autograd.backward([out, probs], [grad.to(out.dtype), router_grad])
+            else:
+                out.backward(grad.to(out.dtype))
         if self.is_first:
             return
         payload = self.backward_out.send(x.grad.contiguous(), slot=i)
-        self.transport.send(payload, self.mesh.prev_rank, with_next_recv=pair)
+        self.transport.send(self._with_side(payload, router_grad), self.mesh.prev_rank, with_next_recv=pair)
+
+    # -- the router side channel (MoE load-balancing loss), empty for every other model
+    def _collecting_routers(self):
+        return self.router.collecting() if self.router is not None else contextlib.nullcontext()
+
+    def _side_bytes(self, direction: str) -> int:
+        """Bytes appended to each activation ("F") or activation-gradient ("B") payload."""
+        if self.router is None:
+            return 0
+        return 4 * (self.router.stats_numel if direction == "F" else self.router.num_experts)
+
+    def _split_side(self, payload: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.router is None:
+            return payload, None
+        return payload[:nbytes], payload[nbytes:].clone().view(torch.float32)
+
+    def _with_side(self, payload: torch.Tensor, side: torch.Tensor | None) -> torch.Tensor:
+        if self.router is None:
+            return payload
+        extra = side.detach().to(torch.float32).contiguous().view(torch.uint8)
+        self.traffic["router"].add(extra.numel(), extra.numel())
+        return torch.cat([payload, extra.to(payload.device)])
 
     def count_over_replicas(self, count: int) -> int:
         """The sum of `count` over this stage's replicas (e.g. label tokens of an optimizer step,

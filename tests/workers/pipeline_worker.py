@@ -16,10 +16,10 @@ from safetensors.torch import save_file
 
 import hf_actcomp
 from hf_actcomp import Compression, MemoryConfig, Plan
-from hf_actcomp.debug import DEBUG_FAMILIES, debug_model
+from hf_actcomp.debug import debug_model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pipeline_cases import COMPRESSED_PLANS, padded_batch, training_batches  # noqa: E402
+from pipeline_cases import COMPRESSED_PLANS, EXACT_CASES, padded_batch, training_batches  # noqa: E402
 
 
 def stage_grads(pipe) -> dict:
@@ -32,9 +32,9 @@ def stage_grads(pipe) -> dict:
 def exact(out_dir: str, num_stages: int) -> None:
     """Identity codec: one train_step per family and schedule; save each stage's grads + loss."""
     rank = dist.get_rank()
-    for family in DEBUG_FAMILIES:
+    for case, (family, overrides) in EXACT_CASES.items():
         for schedule in ("gpipe", "1f1b"):
-            model = debug_model(family, seed=0)
+            model = debug_model(family, seed=0, **overrides)
             plan = Plan(num_stages=num_stages, micro_batches=num_stages, schedule=schedule)
             pipe = hf_actcomp.prepare(model, plan, timeout=60)
             kept = {id(p) for p in pipe.stage.parameters()}
@@ -42,8 +42,9 @@ def exact(out_dir: str, num_stages: int) -> None:
             out = pipe.train_step(padded_batch(model.config.vocab_size))
             tensors = stage_grads(pipe)
             tensors["loss"] = out.loss.reshape(1)
+            tensors["eval_loss"] = pipe.eval_step(padded_batch(model.config.vocab_size)).loss.reshape(1)
             save_file({k: v.contiguous() for k, v in tensors.items()},
-                      os.path.join(out_dir, f"{family}-{schedule}-rank{rank}.safetensors"))
+                      os.path.join(out_dir, f"{case}-{schedule}-rank{rank}.safetensors"))
 
 
 def accumulate(out_dir: str, family: str) -> None:
