@@ -268,24 +268,23 @@ def main(argv=None) -> dict:
     accelerator.end_training()
     os.makedirs(args.output_dir, exist_ok=True)
     state_dir = os.path.join(args.output_dir, "actcomp_state")
-    if distributed:
-        runner.save_pretrained(args.output_dir, model=model)
+    history.append({"step": step, "eval_loss": eval_loss, "eval_plain_loss": eval_plain_loss})
+    run = {"metrics": {"eval_loss": eval_loss, "eval_perplexity": result["perplexity"],
+                       "eval_plain_loss": eval_plain_loss, "eval_plain_perplexity": math.exp(eval_plain_loss)},
+           "log_history": history, "base_model": None if args.model == "offline-gpt2" else args.model,
+           "datasets": None if args.dataset == "offline" else args.dataset}
+    if distributed:  # every stage writes its shard; rank 0 the index, results, curves and card, once
+        runner.save_pretrained(args.output_dir, model=model, results=run)
         runner.save_compression_state(state_dir)
     elif accelerator.is_main_process:
         pipeline.model.save_pretrained(args.output_dir)
         plan.save_pretrained(args.output_dir)
-    history.append({"step": step, "eval_loss": eval_loss, "eval_plain_loss": eval_plain_loss})
+        hf_actcomp.hub.save_run(args.output_dir, stats=stats, blocks=[[r.start, r.stop] for r in pipeline.ranges],
+                                **run)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         with open(os.path.join(args.output_dir, "results.json"), "w") as f:
             json.dump(result, f, indent=2)
-        datasets = None if args.dataset == "offline" else args.dataset
-        hf_actcomp.hub.save_run(args.output_dir, stats=stats,
-                                metrics={"eval_loss": eval_loss, "eval_perplexity": result["perplexity"],
-                                         "eval_plain_loss": eval_plain_loss,
-                                         "eval_plain_perplexity": math.exp(eval_plain_loss)},
-                                log_history=history, blocks=[[r.start, r.stop] for r in pipeline.ranges],
-                                base_model=None if args.model == "offline-gpt2" else args.model, datasets=datasets)
         accelerator.print(json.dumps(result, indent=2))
         if args.push_to_hub:
             hf_actcomp.hub.push_to_hub(args.output_dir, args.hub_model_id, private=args.hub_private_repo)
