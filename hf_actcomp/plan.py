@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 CONFIG_NAME = "actcomp_config.json"
 FORMAT_VERSION = 1
 
-COMPRESSION_METHODS = ("aqsgd", "bf16", "fp16", "none", "quantize", "randk", "topk")
+COMPRESSION_METHODS = ("aqsgd", "bf16", "fp16", "hadamard", "none", "quantize", "randk", "topk")
 FEEDBACK_KINDS = ("none", "ef", "ef21")
 GRANULARITIES = ("group", "channel")
 ROUNDINGS = ("deterministic", "stochastic")
@@ -46,13 +46,15 @@ class Compression:
     """How one direction (forward activations or backward gradients) of every boundary is compressed.
 
     Args:
-        method: codec name (`none`, `fp16`, `bf16`, `quantize`, `topk`, `randk`) or `aqsgd`
-            (delta against a per-sample memory, forward direction only).
-        bits: bit width 1..8 for `quantize` and for `aqsgd` with `inner="quantize"`.
+        method: codec name (`none`, `fp16`, `bf16`, `quantize`, `topk`, `randk`, `hadamard`) or
+            `aqsgd` (delta against a per-sample memory, forward direction only). `hadamard`
+            rotates each token by a random-sign Hadamard matrix before tile-wise quantization with
+            per-tile widths: stateless, for data sets too large for AQ-SGD's memory.
+        bits: bit width 1..8 for `quantize`, `hadamard` (average) and for `aqsgd` with `inner="quantize"`.
         ratio: fraction of elements kept, in (0, 1], for `topk`, `randk` and `aqsgd` with `inner="topk"`.
         granularity: `group` (one scale per `group_size` elements) or `channel` (one scale per
             hidden channel, as in the AQ-SGD reference code).
-        group_size: elements per scale when `granularity="group"`.
+        group_size: elements per scale when `granularity="group"` (`hadamard`: per tile).
         rounding: `deterministic` or `stochastic` (unbiased) rounding for quantization.
         value_dtype: dtype of the values a sparsifier sends.
         feedback: `none`, `ef` (error feedback) or `ef21`; not combinable with `aqsgd`.
@@ -90,7 +92,7 @@ class Compression:
         if not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"Compression.group_size={self.group_size!r} must be a positive integer.")
         codec = self.codec_name
-        if codec == "quantize":
+        if codec in ("quantize", "hadamard"):
             if self.bits is None:
                 raise ValueError(f"Compression(method={self.method!r}) needs bits (an integer 1..8).")
             if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
@@ -125,14 +127,16 @@ class Compression:
             )
         if name in ("topk", "randk"):
             return dict(ratio=self.ratio, value_dtype=self.value_dtype, seed=self.seed)
+        if name == "hadamard":
+            return dict(bits=self.bits, group_size=self.group_size, rounding=self.rounding, seed=self.seed)
         return {}
 
     def describe(self) -> str:
         """Short label such as `aqsgd-quantize4` or `topk0.1+ef`, for tables and logs."""
         name = self.codec_name
         label = name
-        if name == "quantize":
-            label = f"quantize{self.bits}"
+        if name in ("quantize", "hadamard"):
+            label = f"{name}{self.bits}"
         elif name in ("topk", "randk"):
             label = f"{name}{self.ratio:g}"
         if self.method == "aqsgd":

@@ -23,11 +23,15 @@ CODEC_PARAMS = [
     ("topk", dict(ratio=0.1)),
     ("topk", dict(ratio=0.5, value_dtype="fp32")),
     ("randk", dict(ratio=0.3, value_dtype="bf16")),
+    ("hadamard", dict(bits=1)),
+    ("hadamard", dict(bits=3)),
+    ("hadamard", dict(bits=4, rounding="stochastic", group_size=32)),
+    ("hadamard", dict(bits=8, group_size=7)),
 ]
 
 
 def test_registry_lists_all_codecs():
-    assert available_codecs() == ["bf16", "fp16", "none", "quantize", "randk", "topk"]
+    assert available_codecs() == ["bf16", "fp16", "hadamard", "none", "quantize", "randk", "topk"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -168,7 +172,10 @@ def test_randk_sides_agree_through_shared_seed():
 @pytest.mark.parametrize(
     "name, params, message",
     [
-        ("zip", {}, "Unknown codec 'zip'. Available codecs: bf16, fp16, none, quantize, randk, topk"),
+        ("zip", {}, "Unknown codec 'zip'. Available codecs: bf16, fp16, hadamard, none, quantize, randk, topk"),
+        ("hadamard", dict(bits=0), "hadamard bits=0 is outside the allowed range 1..8"),
+        ("hadamard", dict(bits=4, boost_fraction=0.5), r"boost_fraction=0.5 is outside the allowed range \[0, 0.5\)"),
+        ("hadamard", dict(bits=4, rounding="up"), "rounding='up' is not valid"),
         ("quantize", dict(bits=9), "bits=9 is outside the allowed range 1..8"),
         ("quantize", dict(bits=4, rounding="up"), "rounding='up' is not valid. Allowed values: deterministic, stochastic"),
         ("quantize", dict(bits=4, granularity="row"), "Allowed values: group, channel"),
@@ -180,3 +187,72 @@ def test_randk_sides_agree_through_shared_seed():
 def test_bad_codec_arguments(name, params, message):
     with pytest.raises(ValueError, match=message):
         make_codec(name, **params)
+
+
+@pytest.mark.parametrize("hidden, block", [(64, 64), (96, 32), (768, 256), (7, 1)])
+def test_hadamard_rotation_is_orthogonal_and_inverts_exactly(hidden, block):
+    from hf_actcomp.codecs.hadamard import hadamard_block
+
+    assert hadamard_block(hidden) == block
+    codec = make_codec("hadamard", bits=4, seed=3)
+    rotation = codec.rotate(torch.eye(hidden, dtype=torch.float64))
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(hidden, dtype=torch.float64), atol=1e-12, rtol=0)
+    x = torch.randn(5, 3, hidden, dtype=torch.float64)
+    torch.testing.assert_close(codec.unrotate(codec.rotate(x)), x, atol=1e-12, rtol=0)
+    if block > 1:  # random signs: another seed, another rotation
+        assert not torch.equal(rotation, make_codec("hadamard", bits=4, seed=4).rotate(torch.eye(hidden, dtype=torch.float64)))
+
+
+def _outlier_activations(tokens: int = 256, hidden: int = 1024) -> torch.Tensor:
+    """Gaussian activations whose 8 of 1024 channels are scaled x40, as real LLMs have."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g)
+    x[:, torch.randperm(hidden, generator=g)[:8]] *= 40
+    return x
+
+
+def _relative_error(codec, x) -> float:
+    out = codec.decode(codec.encode(x), x.shape, x.dtype)
+    return float((out - x).norm() / x.norm())
+
+
+def test_hadamard_beats_plain_quantize_on_outlier_channels_at_the_same_bytes():
+    x = _outlier_activations()
+    plain = make_codec("quantize", bits=4, group_size=64)
+    rotated = make_codec("hadamard", bits=4, group_size=64)
+    ratio = rotated.payload_nbytes(x.shape, x.dtype) / plain.payload_nbytes(x.shape, x.dtype)
+    assert 1.0 <= ratio < 1.01  # 2 bits of width per 64-element tile
+    plain_error, rotated_error = _relative_error(plain, x), _relative_error(rotated, x)
+    assert rotated_error < 0.25 * plain_error, (rotated_error, plain_error)
+    assert _relative_error(make_codec("quantize", bits=4), x) > 0.4  # the default group of 128
+
+
+def test_hadamard_sizes_and_widths():
+    shape = (8, 1024, 768)
+    n = 8 * 1024 * 768
+    tiles = n // 64
+    codec = make_codec("hadamard", bits=3, group_size=64)
+    # 1/4 of the tiles at 2 bits, 1/4 at 4: 3 bits per element on average, + width map + scales.
+    assert codec.payload_nbytes(shape, torch.float32) == tiles * 2 // 8 + 4 * tiles + n * 3 // 8
+    x = torch.randn(4, 64, 96)
+    payload = codec.encode(x)
+    widths = unpack_bits(payload[: packed_nbytes(4 * 64 * 96 // 64, 2)], 2, 4 * 64 * 96 // 64)
+    assert torch.bincount(widths.long(), minlength=3).tolist() == [96, 192, 96]
+    # The widest tiles got the extra bit: their scales are the largest.
+    scales = payload[packed_nbytes(384, 2):packed_nbytes(384, 2) + 4 * 384].clone().view(torch.float32)
+    assert scales[widths == 2].min() >= scales[widths == 0].max()
+    # No adaptation at 1 or 8 bits (no narrower or wider width).
+    assert make_codec("hadamard", bits=1, group_size=64).payload_nbytes((64, 64), torch.float32) == 16 + 4 * 64 + 512
+
+
+def test_hadamard_stochastic_rounding_is_unbiased_and_resumable():
+    torch.manual_seed(0)
+    x = torch.randn(4, 64)
+    codec = make_codec("hadamard", bits=2, rounding="stochastic", group_size=32, seed=3)
+    mean = torch.stack([codec.decode(codec.encode(x), x.shape, x.dtype) for _ in range(2000)]).mean(0)
+    deterministic = make_codec("hadamard", bits=2, group_size=32)
+    biased = deterministic.decode(deterministic.encode(x), x.shape, x.dtype)
+    assert (mean - x).abs().max() < 0.1 < (biased - x).abs().max()
+    b = make_codec("hadamard", bits=2, rounding="stochastic", group_size=32, seed=3)
+    b.load_state_dict(codec.state_dict())
+    assert torch.equal(codec.encode(x), b.encode(x))

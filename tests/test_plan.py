@@ -54,7 +54,7 @@ def test_missing_config_file(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(method="zip"), "method='zip' is not valid. Allowed values: aqsgd, bf16, fp16, none, quantize, randk, topk"),
+        (dict(method="zip"), "method='zip' is not valid. Allowed values: aqsgd, bf16, fp16, hadamard, none, quantize, randk, topk"),
         (dict(method="quantize"), "needs bits"),
         (dict(method="quantize", bits=9), "bits=9 is outside the allowed range 1..8"),
         (dict(method="quantize", bits=0), "bits=0 is outside the allowed range 1..8"),
@@ -128,6 +128,11 @@ def test_describe_labels():
     assert Compression("aqsgd", bits=4).describe() == "aqsgd-quantize4"
     assert Compression("topk", ratio=0.1, feedback="ef").describe() == "topk0.1+ef"
     assert Compression().describe() == "none"
+    hadamard = Compression("hadamard", bits=3, group_size=64, rounding="stochastic", seed=2)
+    assert hadamard.describe() == "hadamard3"
+    assert hadamard.codec_params() == dict(bits=3, group_size=64, rounding="stochastic", seed=2)
+    with pytest.raises(ValueError, match=r"Compression\(method='hadamard'\) needs bits"):
+        Compression("hadamard")
 
 
 def test_data_parallel_fields():

@@ -6,6 +6,7 @@ import inspect
 
 from .base import Codec
 from .cast import Bf16Codec, Fp16Codec, NoneCodec
+from .hadamard import HadamardCodec
 from .quantize import QuantizeCodec
 from .sparsify import RandKCodec, TopKCodec
 
@@ -40,7 +41,7 @@ def make_codec(name: str, **params) -> Codec:
     return cls(**params)
 
 
-for _cls in (NoneCodec, Fp16Codec, Bf16Codec, QuantizeCodec, TopKCodec, RandKCodec):
+for _cls in (NoneCodec, Fp16Codec, Bf16Codec, QuantizeCodec, TopKCodec, RandKCodec, HadamardCodec):
     register_codec(_cls)
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "Bf16Codec",
     "Codec",
     "Fp16Codec",
+    "HadamardCodec",
     "NoneCodec",
     "QuantizeCodec",
     "RandKCodec",

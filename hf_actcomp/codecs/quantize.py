@@ -13,6 +13,25 @@ GRANULARITIES = ("group", "channel")
 ROUNDINGS = ("deterministic", "stochastic")
 
 
+def values_to_codes(values: torch.Tensor, scales: torch.Tensor, levels: int,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """uint8 codes round((v / s + 1) / 2 * levels) of `values` against broadcastable max-abs
+    `scales`; with a `generator`, stochastic rounding (E[decoded] = v)."""
+    inv = torch.where(scales > 0, (levels / 2) / scales, torch.zeros_like(scales))
+    if generator is not None:
+        v = torch.rand(values.shape, generator=generator, device=values.device).add_(levels / 2)
+        v = torch.addcmul(v, values, inv).clamp_(0, levels)  # floor(v + U) by truncation below
+    else:
+        # round(v) == trunc(v + 0.5) for v >= 0; max-abs scaling keeps v + 0.5 in [0, L + 1).
+        v = torch.addcmul(torch.tensor(levels / 2 + 0.5, device=values.device), values, inv)
+    return v.to(torch.uint8)
+
+
+def codes_to_values(codes: torch.Tensor, scales: torch.Tensor, levels: int) -> torch.Tensor:
+    """The inverse of `values_to_codes`: (2 c / levels - 1) s, in fp32."""
+    return torch.addcmul(-scales, codes.float(), scales * (2.0 / levels))
+
+
 class QuantizeCodec(Codec):
     """2**bits uniform levels spanning [-s, s], s = max |x| of each group (or hidden channel).
 
@@ -74,16 +93,11 @@ class QuantizeCodec(Codec):
         rows = self._rows(x.detach().reshape(-1).float(), x.shape)
         dim = 0 if self.granularity == "channel" else 1
         scales = rows.abs().amax(dim=dim, keepdim=True)
-        inv = torch.where(scales > 0, (self.levels / 2) / scales, torch.zeros_like(scales))
+        generator = None
         if self.rounding == "stochastic":
-            g = seeded_generator(x.device, self.seed, self.calls)
+            generator = seeded_generator(x.device, self.seed, self.calls)
             self.calls += 1
-            v = torch.rand(rows.shape, generator=g, device=x.device).add_(self.levels / 2)
-            v = torch.addcmul(v, rows, inv).clamp_(0, self.levels)  # floor(v + U) by truncation below
-        else:
-            # round(v) == trunc(v + 0.5) for v >= 0; max-abs scaling keeps v + 0.5 in [0, L + 1).
-            v = torch.addcmul(torch.tensor(self.levels / 2 + 0.5, device=x.device), rows, inv)
-        codes = v.to(torch.uint8).reshape(-1)[:n]
+        codes = values_to_codes(rows, scales, self.levels, generator).reshape(-1)[:n]
         return torch.cat([as_bytes(scales.reshape(-1)), pack_bits(codes, self.bits)])
 
     def decode(self, payload, shape, dtype):
@@ -102,7 +116,7 @@ class QuantizeCodec(Codec):
         else:
             rows = codes.view(-1, num_scales)
             scales = scales.view(1, -1)
-        out = torch.addcmul(-scales, rows.float(), scales * (2.0 / self.levels))  # (2c/L - 1) s
+        out = codes_to_values(rows, scales, self.levels)
         return out.reshape(-1)[:n].reshape(tuple(shape)).to(dtype)
 
     def state_dict(self):

@@ -1,0 +1,245 @@
+"""Quality of boundary compression when FINE-TUNING a pre-trained model (simulation, one process).
+
+AQ-SGD and Rudakov et al. measured fine-tuning, where activations change slowly between epochs;
+`convergence.py` trains from scratch. Here a small GPT-2-style model is first pre-trained
+uncompressed on one offline corpus (CPython's reference documentation, `pydoc_data`), then
+fine-tuned from that checkpoint on a different one (the source code of the standard library's
+top-level modules), once per compression setting, with the same data order, initialisation and
+seed. Reported per setting and seed: the final eval loss and perplexity on held-out stdlib code,
+with the plan's compression at inference and without it, bytes per step, and the training curve.
+
+    .venv/bin/python benchmarks/finetune_quality.py                 # 3 seeds, ~25 minutes on 2 cores
+    .venv/bin/python benchmarks/finetune_quality.py --seeds 0 --quick
+
+Writes benchmarks/results/finetune_quality.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import platform
+import statistics
+import sysconfig
+import time
+
+import torch
+from convergence import eval_loss, make_model  # the same model and token-weighted eval
+from torch.utils.data import DataLoader
+from transformers import default_data_collator
+
+import hf_actcomp
+from hf_actcomp import Compression, MemoryConfig, Plan
+from hf_actcomp.data import build_tokenizer, causal_lm_datasets, offline_corpus
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def settings() -> dict[str, tuple[Compression, Compression]]:
+    q = lambda b: Compression("quantize", bits=b)  # noqa: E731
+    aq = lambda b: Compression("aqsgd", bits=b)  # noqa: E731
+    h = lambda b: Compression("hadamard", bits=b)  # noqa: E731
+    return {
+        "none": (Compression(), Compression()),
+        "quantize fw2/bw4": (q(2), q(4)),
+        "quantize fw3/bw6": (q(3), q(6)),
+        "quantize fw4/bw8": (q(4), q(8)),
+        "aqsgd fw2/bw4": (aq(2), q(4)),
+        "aqsgd fw3/bw6": (aq(3), q(6)),
+        "aqsgd fw4/bw8": (aq(4), q(8)),
+        "topk 10%": (Compression("topk", ratio=0.1), q(8)),
+        "topk 30%": (Compression("topk", ratio=0.3), q(8)),
+        "topk 10% + EF": (Compression("topk", ratio=0.1, feedback="ef"), q(8)),
+        "topk 30% + EF": (Compression("topk", ratio=0.3, feedback="ef"), q(8)),
+        "aqsgd topk 30%": (Compression("aqsgd", inner="topk", ratio=0.3), q(8)),
+        "hadamard fw3/bw6": (h(3), h(6)),
+        "hadamard fw4/bw8": (h(4), h(8)),
+    }
+
+
+def stdlib_corpus(max_files: int) -> list[str]:
+    """The source of the standard library's top-level modules, in name order (offline; the
+    same files for the same Python version)."""
+    paths = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:max_files]
+    texts = []
+    for path in paths:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            texts.append(f.read())
+    return texts
+
+
+def pretrain(data, args) -> dict[str, torch.Tensor]:
+    """Uncompressed pre-training on the documentation; returns the weights every fine-tune starts from."""
+    train, evaluation, vocab = data
+    model = make_model(vocab, args.seq_len, seed=1234)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.pretrain_lr)
+    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                        collate_fn=default_data_collator, generator=torch.Generator().manual_seed(1234))
+    start = time.perf_counter()
+    for _ in range(args.pretrain_epochs):
+        for batch in loader:
+            batch = {k: v for k, v in batch.items() if k != "sample_id"}
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    model.eval()
+    loss = eval_loss(model, DataLoader(evaluation, batch_size=32, collate_fn=default_data_collator))
+    print(f"pre-trained {args.pretrain_epochs} epochs in {time.perf_counter() - start:.0f}s: docs eval loss {loss:.3f}",
+          flush=True)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def finetune(name, forward, backward, weights, data, args, seed) -> dict:
+    train, evaluation, vocab = data
+    model = make_model(vocab, args.seq_len, seed)
+    model.load_state_dict(weights)
+    plan = Plan(num_stages=2, micro_batches=2, split_points=[2], forward=forward, backward=backward,
+                memory=MemoryConfig(num_samples=len(train), store="host", dtype="fp16"))
+    sim = hf_actcomp.simulate(model, plan)
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(sim.parameters(), lr=args.lr)
+    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                        collate_fn=default_data_collator, generator=torch.Generator().manual_seed(seed))
+    eval_loader = DataLoader(evaluation, batch_size=32, collate_fn=default_data_collator)
+    curve, epoch_eval = [], []
+    start = time.perf_counter()
+    for _ in range(args.epochs):
+        for batch in loader:
+            loss = sim(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            curve.append(loss.item())
+        model.eval()
+        epoch_eval.append(eval_loss(model, eval_loader))
+        model.train()
+    seconds = time.perf_counter() - start
+    stats = sim.stats()
+    model.eval()
+    plain = eval_loss(model, eval_loader)
+    with hf_actcomp.compressed_inference(model, plan) as inf:
+        compressed = eval_loss(inf, eval_loader)
+    row = {
+        "setting": name, "seed": seed, "forward": forward.describe(), "backward": backward.describe(),
+        "eval_loss_compressed": compressed, "eval_loss_uncompressed": plain,
+        "bytes_per_step": stats["bytes_sent"] / len(curve),
+        "bytes_per_step_uncompressed": stats["bytes_uncompressed"] / len(curve),
+        "compression_ratio": stats["compression_ratio"],
+        "forward_relative_error": stats["channels"]["boundary0.forward"]["relative_error"],
+        "backward_relative_error": stats["channels"]["boundary0.backward"]["relative_error"],
+        "epoch_eval_loss_uncompressed": epoch_eval, "train_curve": curve, "seconds": seconds,
+    }
+    print(f"seed {seed} {name:18s} eval {plain:.4f} (compressed inference {compressed:.4f})  "
+          f"{row['bytes_per_step'] / 1e6:6.3f} MB/step  ratio {row['compression_ratio']:5.1f}x  {seconds:4.0f}s",
+          flush=True)
+    return row
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per setting: median and range over seeds, and the median gap to `none` of the same seed."""
+    base = {r["seed"]: r["eval_loss_uncompressed"] for r in rows if r["setting"] == "none"}
+    out = []
+    for name in dict.fromkeys(r["setting"] for r in rows):
+        mine = [r for r in rows if r["setting"] == name]
+        plain = [r["eval_loss_uncompressed"] for r in mine]
+        gaps = [100 * (r["eval_loss_uncompressed"] / base[r["seed"]] - 1) for r in mine if r["seed"] in base]
+        out.append({
+            "setting": name, "forward": mine[0]["forward"], "backward": mine[0]["backward"], "seeds": len(mine),
+            "eval_loss": statistics.median(plain), "eval_loss_min": min(plain), "eval_loss_max": max(plain),
+            "eval_loss_compressed": statistics.median(r["eval_loss_compressed"] for r in mine),
+            "gap_percent": statistics.median(gaps) if gaps else None,
+            "gap_percent_min": min(gaps) if gaps else None, "gap_percent_max": max(gaps) if gaps else None,
+            "bytes_per_step": statistics.median(r["bytes_per_step"] for r in mine),
+            "compression_ratio": statistics.median(r["compression_ratio"] for r in mine),
+        })
+    return out
+
+
+def write_outputs(rows: list[dict], summary: list[dict], meta: dict) -> None:
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "finetune_quality.json"), "w") as f:
+        json.dump({"meta": meta, "summary": summary, "rows": rows}, f, indent=1)
+    a = meta["args"]
+    lines = [
+        f"Fine-tuning a pre-trained GPT-2-style model (4 layers, hidden 128, pre-trained {a['pretrain_epochs']} "
+        f"epochs on CPython's docs) on {meta['train_blocks']} blocks of {a['seq_len']} tokens of stdlib source, "
+        f"{a['epochs']} epochs, batch {a['batch_size']}, 2 stages split after block 2, 2 micro-batches, AdamW lr "
+        f"{a['lr']}; seeds {a['seeds']} (median [min-max]). Eval: {meta['eval_blocks']} held-out blocks.",
+        "",
+        "| setting | fw | bw | eval loss | vs none (same seed) | eval loss, codec at inference | ppl | MB/step "
+        "| ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        gap = "-" if s["setting"] == "none" or s["gap_percent"] is None else (
+            f"{s['gap_percent']:+.2f}% [{s['gap_percent_min']:+.2f}, {s['gap_percent_max']:+.2f}]")
+        lines.append(
+            f"| {s['setting']} | {s['forward']} | {s['backward']} | {s['eval_loss']:.4f} "
+            f"[{s['eval_loss_min']:.4f}-{s['eval_loss_max']:.4f}] | {gap} | {s['eval_loss_compressed']:.4f} | "
+            f"{math.exp(s['eval_loss']):.2f} | {s['bytes_per_step'] / 1e6:.3f} | {s['compression_ratio']:.1f}x |")
+    with open(os.path.join(RESULTS, "finetune_quality.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    seed = rows[0]["seed"]
+    for r in (r for r in rows if r["seed"] == seed):
+        ax.plot(range(1, len(r["epoch_eval_loss_uncompressed"]) + 1), r["epoch_eval_loss_uncompressed"],
+                marker="o", label=r["setting"])
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("eval loss (stdlib source, plain inference)")
+    ax.set_title(f"Fine-tuning under boundary compression (seed {seed})")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(RESULTS, "finetune_quality.png"), dpi=110)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--pretrain_epochs", type=int, default=4)
+    p.add_argument("--pretrain_lr", type=float, default=2e-3)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--train_samples", type=int, default=512)
+    p.add_argument("--eval_samples", type=int, default=256)
+    p.add_argument("--stdlib_files", type=int, default=120)
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--only", nargs="*", default=None, help="run only these settings")
+    p.add_argument("--quick", action="store_true", help="1 pre-training epoch, 2 fine-tuning epochs, 3 settings")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.pretrain_epochs, args.epochs, args.train_samples = 1, 2, 128
+        args.only = args.only or ["none", "aqsgd fw2/bw4", "hadamard fw3/bw6"]
+    docs = offline_corpus()
+    tokenizer = build_tokenizer(docs, vocab_size=1024)  # the pre-trained model's tokenizer, as in practice
+    pre_train, pre_eval = causal_lm_datasets(tokenizer, docs, seq_len=args.seq_len, max_train_samples=1024)
+    code = stdlib_corpus(args.stdlib_files)
+    ft_train, ft_eval = causal_lm_datasets(tokenizer, code, seq_len=args.seq_len, max_train_samples=args.train_samples)
+    ft_eval = ft_eval.select(range(min(args.eval_samples, len(ft_eval))))
+    print(f"pre-training: {len(pre_train)} blocks of docs; fine-tuning: {len(ft_train)} train / {len(ft_eval)} "
+          f"eval blocks of stdlib source", flush=True)
+    weights = pretrain((pre_train.with_format("torch"), pre_eval.with_format("torch"), len(tokenizer)), args)
+    data = (ft_train.with_format("torch"), ft_eval.with_format("torch"), len(tokenizer))
+    rows = []
+    for seed in args.seeds:
+        for name, (fw, bw) in settings().items():
+            if args.only and name not in args.only:
+                continue
+            rows.append(finetune(name, fw, bw, weights, data, args, seed))
+    meta = {"args": vars(args), "torch": torch.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "threads": torch.get_num_threads(),
+            "train_blocks": len(ft_train), "eval_blocks": len(ft_eval)}
+    write_outputs(rows, summarise(rows), meta)
+
+
+if __name__ == "__main__":
+    main()

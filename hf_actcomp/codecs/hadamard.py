@@ -1,0 +1,170 @@
+"""Randomized Hadamard rotation, then tile-wise quantization with per-tile bit widths.
+
+Stateless, so it needs no AQ-SGD memory and works in a single pass over a data set too large to
+revisit (after TAH-Quant, arXiv 2506.01352). Real LLM activations have a few outlier channels:
+one scale per group then spends nearly all its levels on them. Rotating each token's hidden
+vector by a random-sign Hadamard matrix (orthogonal, O(H log H)) spreads every outlier over the
+whole block, so a max-abs scale fits the rotated values far better; the receiver rotates back
+exactly. Tiles whose values spread wider get one bit more, as many tiles as narrow ones get one
+bit less, so the bits per element stay `bits` on average and the payload size depends on the
+shape alone.
+
+Payload: 2-bit width index per tile (packed), fp32 max-abs scale per tile, then the codes of the
+narrow, middle and wide tiles, each group packed at its width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .base import Codec, as_bytes, from_bytes, numel, seeded_generator
+from .packing import pack_bits, packed_nbytes, unpack_bits
+from .quantize import ROUNDINGS, codes_to_values, values_to_codes
+
+
+def hadamard_block(hidden: int) -> int:
+    """The Hadamard block size for a hidden size: its largest power-of-two divisor (768 -> 256),
+    so that hidden sizes that are not a power of two rotate in equal blocks."""
+    if hidden < 1:
+        raise ValueError(f"hidden size must be positive, got {hidden}.")
+    return hidden & -hidden
+
+
+def hadamard_transform(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Orthonormal fast Walsh-Hadamard transform of each `block` consecutive elements of the last
+    dimension (its size a multiple of `block`, a power of two). Its own inverse."""
+    shape = x.shape
+    y = x.reshape(-1, block)
+    h = 1
+    while h < block:
+        y = y.view(-1, block // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return y.reshape(shape) * block**-0.5
+
+
+class HadamardCodec(Codec):
+    """Random-sign Hadamard rotation of each token, then max-abs quantization per tile of
+    `group_size` elements at `bits - 1`, `bits` or `bits + 1` bits by the tile's spread.
+
+    Args:
+        bits: average bits per element, 1..8 (widths adapt only for 2..7).
+        group_size: elements per tile (one fp32 scale and one width each).
+        rounding: `deterministic` (nearest) or `stochastic` (unbiased).
+        seed: seed of the random signs (fixed for a codec) and of stochastic rounding.
+        boost_fraction: fraction of tiles given one bit more (and as many one bit less), in [0, 0.5).
+    """
+
+    name = "hadamard"
+
+    def __init__(self, bits: int, group_size: int = 64, rounding: str = "deterministic", seed: int = 0,
+                 boost_fraction: float = 0.25) -> None:
+        if not isinstance(bits, int) or not 1 <= bits <= 8:
+            raise ValueError(f"hadamard bits={bits!r} is outside the allowed range 1..8.")
+        if not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"hadamard group_size={group_size!r} must be a positive integer.")
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"hadamard rounding={rounding!r} is not valid. Allowed values: {', '.join(ROUNDINGS)}.")
+        if not 0.0 <= float(boost_fraction) < 0.5:
+            raise ValueError(f"hadamard boost_fraction={boost_fraction!r} is outside the allowed range [0, 0.5).")
+        self.bits, self.group_size, self.rounding, self.seed = bits, group_size, rounding, seed
+        self.boost_fraction = float(boost_fraction)
+        self.calls = 0
+        self._signs: dict[tuple[int, str], torch.Tensor] = {}
+
+    # -- sizes --------------------------------------------------------------------------------
+    def _tiles(self, shape: Sequence[int]) -> int:
+        return -(-numel(shape) // self.group_size)
+
+    def _group_sizes(self, tiles: int) -> tuple[int, int, int]:
+        """Tiles at bits - 1, bits, bits + 1: fixed by the tile count, so sizes need no data."""
+        boosted = int(tiles * self.boost_fraction) if 2 <= self.bits <= 7 else 0
+        return boosted, tiles - 2 * boosted, boosted
+
+    def _widths(self) -> tuple[int, int, int]:
+        return self.bits - 1, self.bits, self.bits + 1
+
+    def payload_nbytes(self, shape, dtype):
+        tiles = self._tiles(shape)
+        if tiles == 0:
+            return 0
+        codes = sum(packed_nbytes(count * self.group_size, width)
+                    for count, width in zip(self._group_sizes(tiles), self._widths(), strict=True) if count)
+        return packed_nbytes(tiles, 2) + 4 * tiles + codes
+
+    # -- rotation -----------------------------------------------------------------------------
+    def _random_signs(self, hidden: int, device: torch.device) -> torch.Tensor:
+        key = (hidden, str(device))
+        if key not in self._signs:
+            g = torch.Generator().manual_seed(int(self.seed) + 7919)
+            signs = torch.randint(0, 2, (hidden,), generator=g).float().mul_(2).sub_(1)
+            self._signs[key] = signs.to(device)
+        return self._signs[key]
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """H (D x) per token: random signs D, then the orthonormal Hadamard blocks H."""
+        hidden = x.shape[-1]
+        return hadamard_transform(x * self._random_signs(hidden, x.device), hadamard_block(hidden))
+
+    def unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """D H y: the exact inverse of `rotate` (H is symmetric and orthonormal, D its own inverse)."""
+        hidden = y.shape[-1]
+        return hadamard_transform(y, hadamard_block(hidden)) * self._random_signs(hidden, y.device)
+
+    # -- codec --------------------------------------------------------------------------------
+    def encode(self, x):
+        n = x.numel()
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8, device=x.device)
+        flat = self.rotate(x.detach().float().reshape(-1, x.shape[-1] if x.dim() else 1)).reshape(-1)
+        pad = (-n) % self.group_size
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        tiles = flat.view(-1, self.group_size)
+        scales = tiles.abs().amax(dim=1)
+        down, _, up = self._group_sizes(tiles.shape[0])
+        widths = torch.ones(tiles.shape[0], dtype=torch.uint8, device=x.device)
+        order = torch.argsort(scales, stable=True)  # widest spread last
+        widths[order[:down]] = 0
+        widths[order[order.numel() - up:]] = 2
+        generator = None
+        if self.rounding == "stochastic":
+            generator = seeded_generator(x.device, self.seed, self.calls)
+            self.calls += 1
+        parts = [pack_bits(widths, 2), as_bytes(scales)]
+        for index, width in enumerate(self._widths()):
+            chosen = (widths == index).nonzero().flatten()
+            if chosen.numel():
+                codes = values_to_codes(tiles[chosen], scales[chosen].unsqueeze(1), (1 << width) - 1, generator)
+                parts.append(pack_bits(codes, width))
+        return torch.cat(parts)
+
+    def decode(self, payload, shape, dtype):
+        n = numel(shape)
+        if n == 0:
+            return torch.empty(tuple(shape), dtype=dtype, device=payload.device)
+        count = self._tiles(shape)
+        offset = packed_nbytes(count, 2)
+        widths = unpack_bits(payload[:offset], 2, count)
+        scales = from_bytes(payload[offset:], torch.float32, count)
+        offset += 4 * count
+        tiles = torch.empty(count, self.group_size, dtype=torch.float32, device=payload.device)
+        for index, (size, width) in enumerate(zip(self._group_sizes(count), self._widths(), strict=True)):
+            if not size:
+                continue
+            nbytes = packed_nbytes(size * self.group_size, width)
+            codes = unpack_bits(payload[offset:offset + nbytes], width, size * self.group_size)
+            offset += nbytes
+            chosen = (widths == index).nonzero().flatten()
+            tiles[chosen] = codes_to_values(codes.view(size, self.group_size), scales[chosen].unsqueeze(1),
+                                            (1 << width) - 1)
+        hidden = int(shape[-1]) if len(shape) else 1
+        rotated = tiles.reshape(-1)[:n].reshape(-1, hidden)
+        return self.unrotate(rotated).reshape(tuple(shape)).to(dtype)
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
