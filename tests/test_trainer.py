@@ -212,6 +212,40 @@ def test_plan_must_be_a_plan(tmp_path):
 
 
 # ----------------------------------------------------------------------------- several processes
+# Every launch costs seconds of interpreter and library start-up per process, so the runs that
+# need no launch of their own share one per world size (module fixtures), one after another.
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two_processes")
+    debug_model("gpt2", seed=0).save_pretrained(root / "checkpoint")
+    runs = {
+        # with every block recomputed in the backward, and the model given as a path
+        "plain": {"plan": {"num_stages": 2}, "evaluate": True, "args": {"activation_checkpointing": True},
+                  "model_path": str(root / "checkpoint")},
+        "lora": {"plan": {"num_stages": 2}, "lora": True, "save": str(root / "adapter")},
+        "bf16_lora": {"plan": {"num_stages": 2}, "lora": True, "dtype": "bfloat16", "args": {"bf16": True}},
+    }
+    run_workers("trainer_worker.py", 2, [json.dumps({"runs": runs}), str(root)], timeout=600)
+    return root
+
+
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("four_processes")
+    runs = {
+        "plain": {"plan": {"num_stages": 2, "data_parallel": 2}, "evaluate": True},
+        "aqsgd": {"plan": Plan(num_stages=2, data_parallel=2, forward=Compression("aqsgd", bits=4)).to_dict(),
+                  "args": {"max_steps": 4}},
+    }
+    run_workers("trainer_worker.py", 4, [json.dumps({"runs": runs}), str(root)], timeout=600)
+    return root
+
+
+def _results(root, name: str, world: int) -> tuple[str, list[dict]]:
+    out = root / name
+    return str(out), [json.loads((out / f"losses-rank{r}.json").read_text()) for r in range(world)]
+
+
 def _run(tmp_path, name: str, world: int, spec: dict) -> tuple[str, list[dict]]:
     out = tmp_path / name
     out.mkdir()
@@ -233,21 +267,16 @@ def _stage_weights(out: str, world: int, num_stages: int) -> list[dict[str, torc
 
 
 @pytest.mark.parametrize("data_parallel", [1, 2], ids=["2-stages", "2x2-data-parallel"])
-def test_distributed_matches_plain_trainer(tmp_path, data_parallel):
+def test_distributed_matches_plain_trainer(tmp_path, request, data_parallel):
     """Codec none on 2 (or 2 x 2) processes: the logged losses and norms, and every stage's final
     weights, equal plain Trainer's on the unsplit model with the replicas' global batch (2 stages:
     with activation checkpointing on, and the model given as a checkpoint path: each rank loads
     only its stage)."""
     world = 2 * data_parallel
+    root = request.getfixturevalue("two_processes" if data_parallel == 1 else "four_processes")
     reference_model = debug_model("gpt2", seed=0)
-    spec = {"plan": {"num_stages": 2, "data_parallel": data_parallel}, "evaluate": True,
-            # 2 stages: also with every block recomputed in the backward (the numbers do not change)
-            "args": {"activation_checkpointing": data_parallel == 1}}
-    if data_parallel == 1:
-        reference_model.save_pretrained(tmp_path / "checkpoint")  # before the reference trains it
-        spec["model_path"] = str(tmp_path / "checkpoint")
     reference = _reference(tmp_path, reference_model, batch_size=4 * data_parallel)
-    out, results = _run(tmp_path, "ours", world, spec)
+    out, results = _results(root, "plain", world)
     if data_parallel == 1:  # the other stage's blocks were never loaded
         assert all(result["meta_parameters"] > 0 for result in results)
     expected_eval = _token_weighted_loss(reference_model, ragged_dataset(8, seed=1), batch_size=4)
@@ -269,15 +298,15 @@ def _token_weighted_loss(model, dataset, batch_size: int) -> float:
     return total / tokens
 
 
-def test_distributed_lora_matches_and_saves_adapter(tmp_path):
+def test_distributed_lora_matches_and_saves_adapter(tmp_path, two_processes):
     """LoRA through the stages: same run as Trainer on the unsplit PEFT model; the adapter saved
     from both stages reloads with PeftModel.from_pretrained and gives the same logits."""
     from peft import PeftModel
 
     reference_model = lora_model(debug_model("gpt2", seed=0))
     reference = _reference(tmp_path, reference_model)
-    saved = str(tmp_path / "adapter")
-    out, results = _run(tmp_path, "ours", 2, {"plan": {"num_stages": 2}, "lora": True, "save": saved})
+    saved = str(two_processes / "adapter")
+    out, results = _results(two_processes, "lora", 2)
     base = reference_model.get_base_model()
     for rank, result in enumerate(results):
         weights = _stage_weights(out, 2, 2)[rank]
@@ -327,11 +356,10 @@ def test_distributed_resume_continues_exactly(tmp_path):
             torch.testing.assert_close(value, _stage_weights(straight, 2, 2)[rank][name], rtol=0, atol=0, msg=name)
 
 
-def test_distributed_aqsgd_keeps_each_replicas_shard_only(tmp_path):
+def test_distributed_aqsgd_keeps_each_replicas_shard_only(four_processes):
     """2 stages x 2 replicas with AQ-SGD: each replica trains on a fixed contiguous half of the 32
     rows (shuffled within it), keeps memory for those 16 ids only, and visits all of them."""
-    plan = Plan(num_stages=2, data_parallel=2, forward=Compression("aqsgd", bits=4))
-    _, results = _run(tmp_path, "ours", 4, {"plan": plan.to_dict(), "args": {"max_steps": 4}})
+    _, results = _results(four_processes, "aqsgd", 4)
     for rank, result in enumerate(results):
         start = 16 * (rank // 2)
         assert result["memory"] == {"sample_range": list(range(start, start + 16)), "rows": 16, "seen": 16}
@@ -339,13 +367,12 @@ def test_distributed_aqsgd_keeps_each_replicas_shard_only(tmp_path):
     assert results[0]["losses"] == results[1]["losses"]  # one pipeline, one loss
 
 
-def test_distributed_bf16_base_with_fp32_lora(tmp_path):
+def test_distributed_bf16_base_with_fp32_lora(tmp_path, two_processes):
     """A bf16 base model with fp32 LoRA weights, under bf16 autocast, on 2 processes: trains, and
     only the adapter changes; losses follow plain Trainer's on the same model within bf16 noise."""
-    spec = {"plan": {"num_stages": 2}, "lora": True, "dtype": "bfloat16", "args": {"bf16": True}}
     reference_model = lora_model(debug_model("gpt2", seed=0).to(torch.bfloat16))
     reference = _reference(tmp_path, reference_model, bf16=True)
-    out, results = _run(tmp_path, "ours", 2, spec)
+    out, results = _results(two_processes, "bf16_lora", 2)
     untouched = lora_model(debug_model("gpt2", seed=0).to(torch.bfloat16)).get_base_model()
     for rank, result in enumerate(results):
         assert result["losses"] == pytest.approx(_logged(reference, "loss"), rel=2e-2)

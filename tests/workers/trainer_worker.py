@@ -53,5 +53,17 @@ def _memory_report(pipe) -> dict | None:
             "seen": int(end.memory.seen.sum())}
 
 
+def run_all(spec: dict, out_dir: str) -> None:
+    """One spec, or {"runs": {name: spec}} run one after another in these processes (a launch
+    costs seconds of start-up per process), each into OUT_DIR/name."""
+    from accelerate.state import AcceleratorState
+
+    for name, run in spec["runs"].items() if "runs" in spec else [(None, spec)]:
+        out = os.path.join(out_dir, name) if name else out_dir
+        os.makedirs(out, exist_ok=True)
+        AcceleratorState._reset_state()  # each run's TrainingArguments choose their own mixed precision
+        main(run, out)
+
+
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]), sys.argv[2])
+    run_all(json.loads(sys.argv[1]), sys.argv[2])
