@@ -4,8 +4,13 @@ Side by side with the memory-bound floor (a plain tensor copy) and, for the spar
 `torch.topk` at the same k. Also relative error ||x - x_hat|| / ||x|| and bits per element.
 
     .venv/bin/python benchmarks/codecs.py [--device cuda] [--repeats 5]
+    .venv/bin/python benchmarks/codecs.py --outliers
 
-Writes benchmarks/results/codecs_<device>.{json,md}.
+Writes benchmarks/results/codecs_<device>.{json,md}. With `--outliers`, instead: the relative
+error and bits per element of each scaling (group, per-token, per-channel, Hadamard rotation) on
+activations with outlier channels (8 of 1024 channels x40, as real LLMs have) and on the real
+boundary activations and gradients of a small GPT-2 pre-trained on CPython's docs, written to
+benchmarks/results/codecs_outliers.{json,md}.
 """
 
 from __future__ import annotations
@@ -37,6 +42,20 @@ CASES = [
     ("topk", dict(ratio=0.1)),
     ("topk", dict(ratio=0.3)),
     ("randk", dict(ratio=0.1)),
+    ("hadamard", dict(bits=3)),
+    ("hadamard", dict(bits=4)),
+]
+
+# Scalings compared on tensors with outlier channels: the name, the codec and its parameters.
+SCALINGS = [
+    ("group of 128 (default)", "quantize", {}),
+    ("group of 64", "quantize", dict(group_size=64)),
+    ("per token", "quantize", dict(group_size=None)),  # one scale per hidden vector
+    ("per channel", "quantize", dict(granularity="channel")),
+    ("Hadamard, tiles of 64", "hadamard", dict(group_size=64)),
+    ("Hadamard, tiles of 64, widths by spread", "hadamard", dict(group_size=64, boost_fraction=0.25)),
+    ("Hadamard, tiles of 128 (default)", "hadamard", dict(group_size=128)),
+    ("Hadamard, tiles of 128, widths by spread", "hadamard", dict(group_size=128, boost_fraction=0.25)),
 ]
 
 
@@ -92,12 +111,80 @@ def bench(shape, dtype, device, repeats) -> list[dict]:
     return rows
 
 
+def outlier_tensors() -> dict[str, torch.Tensor]:
+    """Synthetic activations with outlier channels, and real boundary activations and gradients
+    (after block 2 of 4) of a small GPT-2 pre-trained on CPython's docs (1 epoch)."""
+    import argparse as _argparse
+
+    from finetune_quality import make_model, pretrain
+    from transformers import default_data_collator
+
+    from hf_actcomp.data import build_tokenizer, causal_lm_datasets, offline_corpus
+
+    g = torch.Generator().manual_seed(0)
+    synthetic = torch.randn(2048, 1024, generator=g)
+    synthetic[:, torch.randperm(1024, generator=g)[:8]] *= 40
+    docs = offline_corpus()
+    tokenizer = build_tokenizer(docs, vocab_size=1024)
+    train, evaluation = causal_lm_datasets(tokenizer, docs, seq_len=128, max_train_samples=1024)
+    settings = _argparse.Namespace(seq_len=128, pretrain_lr=2e-3, pretrain_epochs=1, batch_size=16)
+    weights = pretrain((train.with_format("torch"), evaluation.with_format("torch"), len(tokenizer)), settings)
+    model = make_model(len(tokenizer), 128, seed=0)
+    model.load_state_dict(weights)
+    batch = default_data_collator([evaluation.with_format("torch")[i] for i in range(16)])
+    captured = {}
+    block = model.transformer.h[1]
+    block.register_forward_hook(lambda m, a, out: captured.update(activation=out[0] if isinstance(out, tuple) else out))
+    hidden = {}
+
+    def keep_grad(module, args, out):
+        out = out[0] if isinstance(out, tuple) else out
+        out.register_hook(lambda grad: hidden.update(gradient=grad))
+    block.register_forward_hook(keep_grad)
+    model(**{k: v for k, v in batch.items() if k != "sample_id"}).loss.backward()
+    return {"synthetic: 8 of 1024 channels x40": synthetic,
+            "GPT-2 (pre-trained) boundary activations": captured["activation"].detach().reshape(-1, 128),
+            "GPT-2 (pre-trained) boundary gradients": hidden["gradient"].detach().reshape(-1, 128)}
+
+
+def outliers() -> None:
+    rows = []
+    for tensor_name, x in outlier_tensors().items():
+        for bits in (3, 4):
+            for label, name, params in SCALINGS:
+                params = dict(params)
+                if params.get("group_size", 0) is None:
+                    params["group_size"] = x.shape[-1]
+                codec = make_codec(name, bits=bits, **params)
+                out = codec.decode(codec.encode(x), x.shape, x.dtype)
+                rows.append(dict(tensor=tensor_name, shape=list(x.shape), bits=bits, scaling=label, codec=name,
+                                 params=params, relative_error=float((out - x).norm() / x.norm()),
+                                 bits_per_element=8.0 * codec.payload_nbytes(x.shape, x.dtype) / x.numel()))
+                print(f"{tensor_name:42s} {bits} bits {label:38s} rel. error {rows[-1]['relative_error']:.4f}  "
+                      f"{rows[-1]['bits_per_element']:.3f} bits/elem", flush=True)
+    os.makedirs(RESULTS, exist_ok=True)
+    stem = os.path.join(RESULTS, "codecs_outliers")
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": dict(torch=torch.__version__, machine=platform.machine()), "rows": rows}, f, indent=1)
+    lines = ["Relative error ||x - x_hat|| / ||x|| and bits per element of each scaling; deterministic rounding.",
+             "", "| tensor | bits | scaling | rel. error | bits/elem |", "|---|---|---|---|---|"]
+    lines += [f"| {r['tensor']} {tuple(r['shape'])} | {r['bits']} | {r['scaling']} | {r['relative_error']:.4f} | "
+              f"{r['bits_per_element']:.3f} |" for r in rows]
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--shape", type=int, nargs="+", default=[8, 1024, 768])
+    p.add_argument("--outliers", action="store_true", help="the scaling comparison on outlier tensors instead")
     args = p.parse_args(argv)
+    if args.outliers:
+        outliers()
+        return
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         rows += bench(tuple(args.shape), dtype, args.device, args.repeats)

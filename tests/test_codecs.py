@@ -231,7 +231,7 @@ def test_hadamard_sizes_and_widths():
     shape = (8, 1024, 768)
     n = 8 * 1024 * 768
     tiles = n // 64
-    codec = make_codec("hadamard", bits=3, group_size=64)
+    codec = make_codec("hadamard", bits=3, group_size=64, boost_fraction=0.25)
     # 1/4 of the tiles at 2 bits, 1/4 at 4: 3 bits per element on average, + width map + scales.
     assert codec.payload_nbytes(shape, torch.float32) == tiles * 2 // 8 + 4 * tiles + n * 3 // 8
     x = torch.randn(4, 64, 96)
@@ -242,7 +242,10 @@ def test_hadamard_sizes_and_widths():
     scales = payload[packed_nbytes(384, 2):packed_nbytes(384, 2) + 4 * 384].clone().view(torch.float32)
     assert scales[widths == 2].min() >= scales[widths == 0].max()
     # No adaptation at 1 or 8 bits (no narrower or wider width).
-    assert make_codec("hadamard", bits=1, group_size=64).payload_nbytes((64, 64), torch.float32) == 16 + 4 * 64 + 512
+    assert make_codec("hadamard", bits=1, group_size=64, boost_fraction=0.25).payload_nbytes(
+        (64, 64), torch.float32) == 16 + 4 * 64 + 512
+    fixed = make_codec("hadamard", bits=3, group_size=64)  # the default: every tile at 3 bits
+    assert torch.bincount(unpack_bits(fixed.encode(x)[:96], 2, 384).long(), minlength=3).tolist() == [0, 384, 0]
 
 
 def test_hadamard_stochastic_rounding_is_unbiased_and_resumable():
