@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test lint train bench-codecs bench-convergence bench-slow-link bench-dp-hooks clean
+.PHONY: setup test lint train bench-codecs bench-outliers bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-dp-hooks clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,8 +27,17 @@ train: setup
 bench-codecs: setup
 	$(PY) benchmarks/codecs.py
 
+bench-outliers: setup
+	$(PY) benchmarks/codecs.py --outliers
+
 bench-convergence: setup
 	$(PY) benchmarks/convergence.py
+
+bench-finetune-quality: setup
+	$(PY) benchmarks/finetune_quality.py
+
+bench-memory: setup
+	$(PY) benchmarks/memory.py
 
 bench-slow-link: setup
 	$(PY) benchmarks/slow_link.py

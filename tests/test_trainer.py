@@ -17,7 +17,7 @@ from trainer_cases import lora_model, pad_collator, ragged_dataset, training_arg
 from transformers import Trainer, TrainingArguments
 
 import hf_actcomp
-from hf_actcomp import ActCompTrainer, Compression, Plan
+from hf_actcomp import ActCompTrainer, Compression, MemoryConfig, Plan
 from hf_actcomp.debug import debug_model
 from hf_actcomp.trainer import PadToLength, _check_arguments
 
@@ -209,6 +209,20 @@ def test_refuses_optimizer_from_outside_with_several_processes():
 def test_plan_must_be_a_plan(tmp_path):
     with pytest.raises(TypeError, match="plan must be a hf_actcomp.Plan"):
         ActCompTrainer(model=debug_model("gpt2"), args=TrainingArguments(str(tmp_path), use_cpu=True), plan={})
+
+
+def test_data_parallel_aqsgd_needs_ids_that_are_rows(tmp_path):
+    """Each replica keeps AQ-SGD memory for its contiguous shard of rows: refused before any work
+    when sample ids are not the row indices, or num_samples is not the data set's length."""
+    plan = Plan(num_stages=2, data_parallel=2, forward=Compression("aqsgd", bits=4))
+    args = training_args(str(tmp_path))
+    shuffled = ragged_dataset().add_column("sample_id", list(reversed(range(32))))
+    with pytest.raises(ValueError, match=r"needs sample_id == row index \(row 0 has sample_id 31\)"):
+        ActCompTrainer(model=debug_model("gpt2"), args=args, plan=plan, train_dataset=shuffled)
+    larger = Plan(num_stages=2, data_parallel=2, forward=Compression("aqsgd", bits=4),
+                  memory=MemoryConfig(num_samples=40))
+    with pytest.raises(ValueError, match="shards memory.num_samples=40 like the 32 rows of train_dataset"):
+        ActCompTrainer(model=debug_model("gpt2"), args=args, plan=larger, train_dataset=ragged_dataset())
 
 
 # ----------------------------------------------------------------------------- several processes
