@@ -8,7 +8,7 @@ top-level modules), once per compression setting, with the same data order, init
 seed. Reported per setting and seed: the final eval loss and perplexity on held-out stdlib code,
 with the plan's compression at inference and without it, bytes per step, and the training curve.
 
-    .venv/bin/python benchmarks/finetune_quality.py                 # 3 seeds, ~25 minutes on 2 cores
+    .venv/bin/python benchmarks/finetune_quality.py                 # 3 seeds, ~32 minutes on 2 cores
     .venv/bin/python benchmarks/finetune_quality.py --seeds 0 --quick
 
 Writes benchmarks/results/finetune_quality.{json,md,png}.
