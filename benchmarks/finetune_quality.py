@@ -190,15 +190,23 @@ def write_outputs(rows: list[dict], summary: list[dict], meta: dict) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 5))
     seed = rows[0]["seed"]
-    for r in (r for r in rows if r["seed"] == seed):
+    colors = plt.cm.tab20.colors  # 14 settings: the default cycle of 10 would repeat colours
+    for i, r in enumerate(r for r in rows if r["seed"] == seed):
         ax.plot(range(1, len(r["epoch_eval_loss_uncompressed"]) + 1), r["epoch_eval_loss_uncompressed"],
-                marker="o", label=r["setting"])
+                marker="o", color=colors[i % len(colors)], linestyle="-" if i % 2 == 0 else "--", label=r["setting"])
     ax.set_xlabel("epoch")
     ax.set_ylabel("eval loss (stdlib source, plain inference)")
     ax.set_title(f"Fine-tuning under boundary compression (seed {seed})")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "finetune_quality.png"), dpi=110)
+
+
+def replot() -> None:
+    """Rewrite the table and plot from the saved JSON (no training)."""
+    with open(os.path.join(RESULTS, "finetune_quality.json")) as f:
+        saved = json.load(f)
+    write_outputs(saved["rows"], saved["summary"], saved["meta"])
 
 
 def main(argv=None) -> None:
@@ -215,7 +223,11 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--only", nargs="*", default=None, help="run only these settings")
     p.add_argument("--quick", action="store_true", help="1 pre-training epoch, 2 fine-tuning epochs, 3 settings")
+    p.add_argument("--replot", action="store_true", help="only rewrite the table and plot from the saved JSON")
     args = p.parse_args(argv)
+    if args.replot:
+        replot()
+        return
     if args.quick:
         args.pretrain_epochs, args.epochs, args.train_samples = 1, 2, 128
         args.only = args.only or ["none", "aqsgd fw2/bw4", "hadamard fw3/bw6"]
