@@ -14,6 +14,12 @@ EXACT_CASES = {
 }
 
 
+def exact_schedules(case: str) -> tuple[str, ...]:
+    """The schedule does not depend on the family: both for a tied, an untied and the MoE case,
+    1F1B (the default) for the others."""
+    return ("gpipe", "1f1b") if case in ("gpt2", "llama", "mixtral-aux") else ("1f1b",)
+
+
 def reference_loss(model, batch: dict, micro_batches: int) -> torch.Tensor:
     """The unsplit model's loss as a pipeline of `micro_batches` computes it: the token mean over
     the whole batch, plus, for MoE with output_router_logits, each micro-batch's load-balancing

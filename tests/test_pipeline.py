@@ -10,6 +10,7 @@ from pipeline_cases import (
     COMPRESSED_PLANS,
     EXACT_CASES,
     check_stage_grads,
+    exact_schedules,
     padded_batch,
     reference_loss,
     tie_partners,
@@ -24,8 +25,9 @@ from hf_actcomp.pipeline import stage_actions
 
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_identity_codec_matches_unsplit_model(tmp_path, num_stages):
-    """Every family, GPipe and 1F1B, padding and tied embeddings: loss and every parameter's
-    gradient on every stage equal the unsplit model's."""
+    """Every family (GPipe too for a tied, an untied and the MoE model; 1F1B for all), padding
+    and tied embeddings: loss and every parameter's gradient on every stage equal the unsplit
+    model's, and so does eval_step's loss."""
     run_workers("pipeline_worker.py", num_stages, ["exact", str(tmp_path), str(num_stages)], timeout=400)
     for case, (family, overrides) in EXACT_CASES.items():
         reference = debug_model(family, seed=0, **overrides)
@@ -34,7 +36,7 @@ def test_identity_codec_matches_unsplit_model(tmp_path, num_stages):
         loss.backward()
         ref_grads = dict(reference.named_parameters(remove_duplicate=False))
         partners = tie_partners(reference)
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in exact_schedules(case):
             seen = set()
             for rank in range(num_stages):
                 got = load_file(tmp_path / f"{case}-{schedule}-rank{rank}.safetensors")

@@ -19,7 +19,13 @@ from hf_actcomp import Compression, MemoryConfig, Plan
 from hf_actcomp.debug import debug_model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pipeline_cases import COMPRESSED_PLANS, EXACT_CASES, padded_batch, training_batches  # noqa: E402
+from pipeline_cases import (  # noqa: E402
+    COMPRESSED_PLANS,
+    EXACT_CASES,
+    exact_schedules,
+    padded_batch,
+    training_batches,
+)
 
 
 def stage_grads(pipe) -> dict:
@@ -33,7 +39,7 @@ def exact(out_dir: str, num_stages: int) -> None:
     """Identity codec: one train_step per family and schedule; save each stage's grads + loss."""
     rank = dist.get_rank()
     for case, (family, overrides) in EXACT_CASES.items():
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in exact_schedules(case):
             model = debug_model(family, seed=0, **overrides)
             plan = Plan(num_stages=num_stages, micro_batches=num_stages, schedule=schedule)
             pipe = hf_actcomp.prepare(model, plan, timeout=60)
@@ -340,7 +346,11 @@ def hung_peer(out_dir: str) -> None:
                     json.dump({"error": str(err), "seconds": time.perf_counter() - start,
                                "waiting": transport.seconds_waiting}, f)
         os._exit(0)  # the posted receive is abandoned with the process
-    time.sleep(12)
+    deadline = time.monotonic() + 30  # alive (never sending) until rank 0 has reported both waits
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(out_dir, f"poll{p}.json")) for p in (0, 1)):
+        time.sleep(0.2)
+    time.sleep(0.5)
     os._exit(0)
 
 
