@@ -7,10 +7,12 @@ transformers adds `coef * aux` to the loss of each forward call, with (Switch Tr
 
 where T_e counts the tokens routed to expert e (top-k, padding masked out), P_e sums the routing
 probabilities of expert e and R counts rows (layers x real tokens). T, P and R are sums over
-layers, so a stage computes its own layers' part; the parts travel forward with the activations
-(2E + 1 floats), and the last stage adds the loss. Once T and R are known, aux is linear in P, so
-the gradient of the loss with respect to every stage's P is the same vector
-g = coef * E * T / R^2, which travels back with the activation gradients (E floats).
+layers, so each stage adds its own layers' part onto the earlier stages' sums, in layer order as
+transformers does; the sums travel forward with the activations (2E + 1 floats), and the last
+stage adds the loss with transformers' expression. Once T and R are known, aux is linear in P, so
+the gradient of the loss with respect to every stage's part of P is the same vector (coef * E *
+T / R^2), which the last stage's autograd gives and which travels back with the activation
+gradients (E floats).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class RouterLoss:
         self.num_experts = int(model.num_experts)
         self.top_k = int(model.num_experts_per_tok)
         self.coef = float(model.router_aux_loss_coef)
-        self._logits: list[Tensor] | None = None
+        self._logits: list[Tensor] | None = None  # being collected
+        self._collected: list[Tensor] = []  # collected by the last forward
         for router in (m for m in module.modules() if isinstance(m, router_class)):
             router.register_forward_hook(self._record)
 
@@ -109,15 +112,3 @@ class RouterLoss:
         """`coef * aux` when `probs` (with gradient) covers every layer: transformers' expression."""
         tokens, _, rows = self.split(stats)
         return self.coef * (torch.sum((tokens / rows) * (probs / rows).unsqueeze(0)) * self.num_experts)
-
-    def loss(self, stats: Tensor, own_probs: Tensor) -> Tensor:
-        """`coef * aux` from the summed stats of every stage, with the gradient flowing into this
-        stage's `own_probs` only (the other stages get theirs from `gradient(stats)`)."""
-        tokens, probs, rows = self.split(stats)
-        value = self.coef * (torch.sum((tokens / rows) * (probs / rows).unsqueeze(0)) * self.num_experts)
-        return value + torch.sum(self.gradient(stats) * (own_probs - own_probs.detach()))
-
-    def gradient(self, stats: Tensor) -> Tensor:
-        """d(coef * aux) / dP_e = coef * E * T_e / R^2, the same for every stage's P."""
-        tokens, _, rows = self.split(stats)
-        return self.coef * self.num_experts * tokens / (rows * rows)
