@@ -28,6 +28,7 @@ import time
 
 import torch
 from convergence import eval_loss, make_model  # the same model and token-weighted eval
+from convergence import settings as convergence_settings
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
@@ -39,25 +40,17 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def settings() -> dict[str, tuple[Compression, Compression]]:
+    """The from-scratch study's settings (convergence.py), plus 3 bits and the cacheless codec,
+    in table order."""
     q = lambda b: Compression("quantize", bits=b)  # noqa: E731
-    aq = lambda b: Compression("aqsgd", bits=b)  # noqa: E731
     h = lambda b: Compression("hadamard", bits=b)  # noqa: E731
-    return {
-        "none": (Compression(), Compression()),
-        "quantize fw2/bw4": (q(2), q(4)),
-        "quantize fw3/bw6": (q(3), q(6)),
-        "quantize fw4/bw8": (q(4), q(8)),
-        "aqsgd fw2/bw4": (aq(2), q(4)),
-        "aqsgd fw3/bw6": (aq(3), q(6)),
-        "aqsgd fw4/bw8": (aq(4), q(8)),
-        "topk 10%": (Compression("topk", ratio=0.1), q(8)),
-        "topk 30%": (Compression("topk", ratio=0.3), q(8)),
-        "topk 10% + EF": (Compression("topk", ratio=0.1, feedback="ef"), q(8)),
-        "topk 30% + EF": (Compression("topk", ratio=0.3, feedback="ef"), q(8)),
-        "aqsgd topk 30%": (Compression("aqsgd", inner="topk", ratio=0.3), q(8)),
-        "hadamard fw3/bw6": (h(3), h(6)),
-        "hadamard fw4/bw8": (h(4), h(8)),
-    }
+    every = {**convergence_settings(0), "quantize fw3/bw6": (q(3), q(6)),
+             "aqsgd fw3/bw6": (Compression("aqsgd", bits=3), q(6)),
+             "hadamard fw3/bw6": (h(3), h(6)), "hadamard fw4/bw8": (h(4), h(8))}
+    order = ["none", "quantize fw2/bw4", "quantize fw3/bw6", "quantize fw4/bw8", "aqsgd fw2/bw4", "aqsgd fw3/bw6",
+             "aqsgd fw4/bw8", "topk 10%", "topk 30%", "topk 10% + EF", "topk 30% + EF", "aqsgd topk 30%",
+             "hadamard fw3/bw6", "hadamard fw4/bw8"]
+    return {name: every[name] for name in order}
 
 
 def stdlib_corpus(max_files: int) -> list[str]:

@@ -61,6 +61,9 @@ class DecoderAdapter(ModelAdapter):
         self._paths_from_pp_plan(model)
         super().__init__(model)
         self._refuse_unsupported_features()
+        # Gemma 3 keeps one rotary table per layer type: `rotary_emb(x, pos, layer_type)`.
+        forward = self._module(self.rotary_path).forward
+        self._per_layer_type_rotary = "layer_type" in inspect.signature(forward).parameters
 
     def _paths_from_pp_plan(self, model: nn.Module) -> None:
         """When the class's module paths are not in `model`, take them from the pipeline plans
@@ -112,9 +115,8 @@ class DecoderAdapter(ModelAdapter):
         return FULL if getattr(self.config, "sliding_window", None) is None else SLIDING
 
     def _rotary_per_layer_type(self) -> bool:
-        """Gemma 3 keeps one rotary table per layer type (`rotary_emb(x, pos, layer_type)`)."""
-        forward = self._module(self.rotary_path).forward
-        return "layer_type" in inspect.signature(forward).parameters
+        """Whether the rotary module builds one table per layer type (inspected once, at init)."""
+        return self._per_layer_type_rotary
 
     def embed(self, input_ids: torch.LongTensor, attention_mask: Tensor | None) -> Tensor:
         # Gemma's sqrt(hidden) scale is inside its embedding module.
