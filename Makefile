@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test lint train bench-codecs bench-outliers bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-dp-hooks clean
+.PHONY: setup test lint train bench-codecs bench-outliers bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-time-to-quality bench-dp-hooks clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -41,6 +41,9 @@ bench-memory: setup
 
 bench-slow-link: setup
 	$(PY) benchmarks/slow_link.py
+
+bench-time-to-quality: setup
+	$(PY) benchmarks/time_to_quality.py
 
 bench-dp-hooks: setup
 	$(PY) benchmarks/dp_hooks.py

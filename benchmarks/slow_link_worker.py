@@ -120,38 +120,47 @@ def run_ours(name, spec, args) -> dict:
                 counted_bytes_window=stats["bytes_sent"], **window)
 
 
-def run_peer(name, spec, args) -> dict:
-    """What a user would write with torch.distributed.pipelining: the same stage modules,
-    PipelineStage + Schedule1F1B, plain fp32 activations and gradients (and, for a tied model,
-    an all-reduce of the tied weight's gradient between the two stages that hold a copy)."""
+def build_peer(model, micro_batches: int, tied: bool):
+    """`model` split in two as a user of torch.distributed.pipelining would: this rank's stage
+    module (the same modules as ours), a `step(batch)` running Schedule1F1B over it, and (with
+    `tied`) this rank's copy of the tied embedding, whose gradient `step` all-reduces so that the
+    two copies stay equal. Returns (module, step, tied parameter or None)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     rank = dist.get_rank()
-    model = make_model(spec, args)
     adapter = get_adapter(model)
-    plan = Plan(num_stages=2, micro_batches=args.micro_batches)
-    r = stage_ranges(adapter, plan)[rank]
+    r = stage_ranges(adapter, Plan(num_stages=2, micro_batches=micro_batches))[rank]
     module = adapter.build_stage(r.start, r.stop, first=rank == 0, last=rank == 1)
     stage = PipelineStage(module, stage_index=rank, num_stages=2, device=torch.device("cpu"))
-    tied = None
-    if name == PEER_TIED:
-        tied = dict(module.named_parameters())[TIE[1] if rank == 0 else TIE[0]]
+    copy = dict(module.named_parameters())[TIE[1] if rank == 0 else TIE[0]] if tied else None
 
     def loss_fn(logits, labels):
-        return model.loss_function(logits, labels, vocab_size=spec["vocab"])
+        return model.loss_function(logits, labels, vocab_size=model.config.vocab_size)
 
-    schedule = Schedule1F1B(stage, n_microbatches=args.micro_batches, loss_fn=loss_fn)
-    optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
-    data = batches(spec, args)
+    schedule = Schedule1F1B(stage, n_microbatches=micro_batches, loss_fn=loss_fn)
 
-    def step():
-        batch = next(data)
+    def step(batch: dict) -> None:
         if rank == 0:
             schedule.step(batch["input_ids"], attention_mask=batch["attention_mask"])
         else:
             schedule.step(attention_mask=batch["attention_mask"], target=batch["labels"])
-        if tied is not None:  # both copies get the summed gradient, so they stay equal
-            dist.all_reduce(tied.grad)
+        if copy is not None:  # both copies get the summed gradient, so they stay equal
+            dist.all_reduce(copy.grad)
+
+    return module, step, copy
+
+
+def run_peer(name, spec, args) -> dict:
+    """What a user would write with torch.distributed.pipelining: the same stage modules,
+    PipelineStage + Schedule1F1B, plain fp32 activations and gradients (and, for a tied model,
+    an all-reduce of the tied weight's gradient between the two stages that hold a copy)."""
+    model = make_model(spec, args)
+    module, peer_step, tied = build_peer(model, args.micro_batches, tied=name == PEER_TIED)
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
+    data = batches(spec, args)
+
+    def step():
+        peer_step(next(data))
         optimizer.step()
         optimizer.zero_grad()
 

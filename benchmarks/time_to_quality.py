@@ -1,0 +1,230 @@
+"""Time to quality on a slow link: wall-clock seconds of fine-tuning until the eval loss of the
+uncompressed run is reached, for torch.distributed.pipelining and hf-actcomp's settings.
+
+The fine-tune of benchmarks/finetune_quality.py (a small GPT-2-style model with tied embeddings,
+pre-trained uncompressed on CPython's docs, fine-tuned on stdlib source), run for real on 2
+processes, each in its own network namespace, joined by a veth pair shaped by `tc tbf` to
+`--rate` Mbit/s (benchmarks/slow_link.py's namespaces). Every method runs in each of `--repeats`
+rounds, in alternating order (benchmarks/time_to_quality_worker.py), from the same pre-trained
+weights and data order. The target is the eval loss of ours-uncompressed after `--epochs` epochs
+(median over the rounds); a run reaches it at the first evaluation (every `--eval_every` steps)
+whose loss is at most the target plus `--tolerance` (relative). Needs root (namespaces, tc);
+`--loopback` runs on 127.0.0.1 instead (no root, no shaping: a smoke test).
+
+    sudo .venv/bin/python benchmarks/time_to_quality.py              # 100 Mbit/s, 3 rounds, ~35 minutes
+    .venv/bin/python benchmarks/time_to_quality.py --quick --loopback  # a smoke run
+    .venv/bin/python benchmarks/time_to_quality.py --replot          # table and plot from the saved JSON
+
+Writes benchmarks/results/time_to_quality.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+
+import torch
+from finetune_quality import pretrain, stdlib_corpus
+from launch import median, ratio_spread, run_workers
+from safetensors.torch import save_file
+from slow_link import LinkedNamespaces
+from time_to_quality_worker import BASE, METHODS, PEER
+
+from hf_actcomp.data import build_tokenizer, causal_lm_datasets, offline_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+WORKER = os.path.join(ROOT, "benchmarks", "time_to_quality_worker.py")
+
+
+def prepare_data(path: str, args) -> None:
+    """Tokenise both corpora, pre-train (uncompressed, in this process), and write the fine-tuning
+    blocks and the pre-trained weights to `path` (safetensors) for the workers."""
+    docs = offline_corpus()
+    tokenizer = build_tokenizer(docs, vocab_size=1024)
+    pre_train, pre_eval = causal_lm_datasets(tokenizer, docs, seq_len=args.seq_len, max_train_samples=1024)
+    train, evaluation = causal_lm_datasets(tokenizer, stdlib_corpus(args.stdlib_files), seq_len=args.seq_len,
+                                           max_train_samples=args.train_samples)
+    evaluation = evaluation.select(range(min(args.eval_samples, len(evaluation))))
+    vocab = len(tokenizer)
+    weights = pretrain((pre_train.with_format("torch"), pre_eval.with_format("torch"), vocab), args)
+    tensors = {f"weights.{k}": v.contiguous() for k, v in weights.items()}
+    for prefix, dataset in (("train", train), ("eval", evaluation)):
+        for column, values in dataset.with_format("torch")[:].items():
+            tensors[f"{prefix}.{column}"] = values.contiguous()
+    save_file(tensors, path)
+    with open(path + ".json", "w") as f:
+        json.dump({"vocab": vocab, "train_blocks": len(train), "eval_blocks": len(evaluation)}, f)
+
+
+def reached(curve: list[dict], target: float, tolerance: float) -> dict | None:
+    """The first evaluation at or below the target (plus the relative tolerance), or None."""
+    return next((point for point in curve if point["eval_loss"] <= target * (1 + tolerance)), None)
+
+
+def summarize(rows: list[dict], args) -> tuple[float, list[dict]]:
+    """The target, and per method: seconds to reach it per round (median and range), the speed-up
+    over torch.distributed.pipelining (ratio of the medians, with its range), and the final loss."""
+    target = median([r["final_eval_loss"] for r in rows if r["method"] == BASE])
+    for r in rows:
+        point = reached(r["curve"], target, args.tolerance)
+        r["seconds_to_target"] = point and point["seconds"]
+        r["steps_to_target"] = point and point["step"]
+    summary = []
+    peer = [r["seconds_to_target"] for r in rows if r["method"] == PEER]
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        times = [r["seconds_to_target"] for r in mine]
+        done = all(t is not None for t in times)
+        s = dict(method=method, rounds=len(mine), reached=sum(t is not None for t in times),
+                 seconds_to_target=median(times) if done else None,
+                 seconds_to_target_min=min(times) if done else None,
+                 seconds_to_target_max=max(times) if done else None,
+                 steps_to_target=median([r["steps_to_target"] for r in mine]) if done else None,
+                 seconds_per_step=median([r["train_seconds"] / r["steps"] for r in mine]),
+                 epochs=mine[0]["epochs"], final_eval_loss=median([r["final_eval_loss"] for r in mine]),
+                 bytes_per_step=median([r["bytes_per_step"] for r in mine]),
+                 byte_ratio=median([r["byte_ratio"] for r in mine]),
+                 other_cpu_share=max(r["other_cpu_share"] for r in mine))
+        s["speedup_vs_peer"] = s["speedup_vs_peer_min"] = s["speedup_vs_peer_max"] = None
+        if done and peer and all(t is not None for t in peer):
+            s["speedup_vs_peer"], s["speedup_vs_peer_min"], s["speedup_vs_peer_max"] = ratio_spread(peer, times)
+        summary.append(s)
+    return target, summary
+
+
+def write(rows: list[dict], meta: dict) -> None:
+    args = argparse.Namespace(**meta["args"])
+    target, summary = summarize(rows, args)
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
+        json.dump({"meta": meta, "target": target, "summary": summary, "rows": rows}, f, indent=1)
+    lines = [
+        f"Fine-tuning the pre-trained GPT-2-style model of benchmarks/finetune_quality.py (4 layers, hidden 128, "
+        f"vocab {meta['vocab']}, tied embeddings) on {meta['train_blocks']} blocks of {args.seq_len} tokens of stdlib "
+        f"source, batch {args.batch_size} in {args.micro_batches} micro-batches, 1F1B, AdamW lr {args.lr}, seed "
+        f"{args.seed}; 2 processes (1 CPU thread each) on the link **{meta['link']}**. Target: ours-uncompressed's "
+        f"eval loss after {args.epochs} epochs, {target:.4f} (median of {args.repeats} rounds; {meta['eval_blocks']} "
+        f"held-out blocks, plain inference); a run reaches it at its first evaluation (every {args.eval_every} steps) "
+        f"at most {100 * args.tolerance:.2f}% above it. Seconds count training only (the clock stops for "
+        f"evaluations), from the first step: AQ-SGD's first epoch sends full activations. Uncompressed methods run "
+        f"{args.epochs} epochs, compressed ones up to {args.max_epochs}. Each method ran in {args.repeats} rounds in "
+        "alternating order: median [fastest-slowest]; speed-up: ratio of the medians [range over the rounds].",
+        "",
+        "| method | seconds to target | steps to target | speed-up vs torch.distributed.pipelining | s/step "
+        "| MB/step | byte ratio | final eval loss (epochs) | other CPU |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        seconds = (f"{s['seconds_to_target']:.1f} [{s['seconds_to_target_min']:.1f}-{s['seconds_to_target_max']:.1f}]"
+                   if s["seconds_to_target"] is not None else f"not reached ({s['reached']} of {s['rounds']} rounds)")
+        speedup = ("" if s["speedup_vs_peer"] is None else
+                   f"{s['speedup_vs_peer']:.2f}x [{s['speedup_vs_peer_min']:.2f}-{s['speedup_vs_peer_max']:.2f}]")
+        steps = "" if s["steps_to_target"] is None else f"{s['steps_to_target']:.0f}"
+        lines.append(f"| {s['method']} | {seconds} | {steps} | {speedup} | {s['seconds_per_step']:.3f} | "
+                     f"{s['bytes_per_step'] / 1e6:.3f} | {s['byte_ratio']:.1f}x | {s['final_eval_loss']:.4f} "
+                     f"({s['epochs']}) | {100 * s['other_cpu_share']:.0f}% |")
+    with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(rows, summary, target, meta, os.path.join(RESULTS, f"{args.name}.png"))
+
+
+def plot(rows: list[dict], summary: list[dict], target: float, meta: dict, path: str) -> None:
+    """Eval loss against training seconds, one line per method (its median round by time to target,
+    or by training time), with the target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for i, s in enumerate(summary):
+        mine = sorted((r for r in rows if r["method"] == s["method"]),
+                      key=lambda r: (r["seconds_to_target"] is None, r["seconds_to_target"] or r["train_seconds"]))
+        r = mine[(len(mine) - 1) // 2]
+        curve = r["curve"][1:]  # from the first evaluation after step 0: the start is the same for all
+        label = s["method"] if s["seconds_to_target"] is not None else (
+            f"{s['method']} (target not reached; ends at {s['final_eval_loss']:.2f})")
+        ax.plot([p["seconds"] for p in curve], [p["eval_loss"] for p in curve], color=f"C{i}", label=label,
+                linestyle="--" if s["method"] == PEER else "-")
+        if r["seconds_to_target"] is not None:
+            ax.plot([r["seconds_to_target"]], [target], marker="o", color=f"C{i}")
+    ax.axhline(target, color="grey", linewidth=0.8, linestyle=":")
+    ax.annotate("target: uncompressed after the full fine-tune", (0, target), xytext=(4, 4),
+                textcoords="offset points", fontsize=8, color="grey")
+    top = max(r["curve"][1]["eval_loss"] for r in rows if len(r["curve"]) > 1)
+    ax.set_ylim(target - 0.05, min(top, target + 0.4))
+    ax.set_xlabel("training seconds")
+    ax.set_ylabel("eval loss (stdlib source)")
+    ax.set_title(f"Time to quality on {meta['link']}: 2 pipeline stages, median round")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate", type=int, default=100, help="Mbit/s of the shaped link")
+    p.add_argument("--loopback", action="store_true", help="127.0.0.1, unshaped (no root needed)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--epochs", type=int, default=4, help="the uncompressed fine-tune (finetune_quality.py's)")
+    p.add_argument("--max_epochs", type=int, default=6, help="the most a compressed setting may train")
+    p.add_argument("--eval_every", type=int, default=8, help="steps between evaluations")
+    p.add_argument("--tolerance", type=float, default=0.0005,
+                   help="relative: a run reaches the target at a loss at most this much above it")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--pretrain_epochs", type=int, default=4)
+    p.add_argument("--pretrain_lr", type=float, default=2e-3)
+    p.add_argument("--train_samples", type=int, default=512)
+    p.add_argument("--eval_samples", type=int, default=256)
+    p.add_argument("--stdlib_files", type=int, default=120)
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--micro_batches", type=int, default=4)
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=7200)
+    p.add_argument("--name", default="time_to_quality", help="results file name in benchmarks/results/")
+    p.add_argument("--quick", action="store_true", help="1 pre-training epoch, 1-2 fine-tuning epochs, 3 methods")
+    p.add_argument("--replot", action="store_true", help="rewrite the table and plot from the saved JSON")
+    args = p.parse_args(argv)
+    if args.replot:
+        with open(os.path.join(RESULTS, f"{args.name}.json")) as f:
+            saved = json.load(f)
+        write(saved["rows"], saved["meta"])
+        return
+    if args.quick:
+        args.pretrain_epochs, args.epochs, args.max_epochs, args.train_samples, args.eval_samples = 1, 1, 2, 128, 64
+        args.repeats, args.name = 1, f"{args.name}_quick"
+        if args.methods == list(METHODS):
+            args.methods = [PEER, BASE, "ours, AQ-SGD fw2/bw4"]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the namespaces are removed
+    link = "loopback (unshaped)" if args.loopback else f"{args.rate} Mbit/s"
+    with tempfile.TemporaryDirectory(prefix="time_to_quality_") as tmp:
+        data = os.path.join(tmp, "data.safetensors")
+        prepare_data(data, args)
+        worker_args = [f"--data={data}", f"--scratch={tmp}", "--methods", *args.methods]
+        worker_args += [f"--{k}={getattr(args, k)}" for k in ("epochs", "max_epochs", "eval_every", "batch_size",
+                                                               "micro_batches", "seq_len", "lr", "seed", "repeats")]
+        port = 29600 + os.getpid() % 1000
+        if args.loopback:
+            rows = run_workers(WORKER, 2, link, worker_args, None, port, args.timeout)["rows"]
+        else:
+            with LinkedNamespaces() as net:
+                net.shape(args.rate)
+                rows = run_workers(WORKER, 2, link, worker_args, net, port, args.timeout)["rows"]
+        with open(data + ".json") as f:
+            sizes = json.load(f)
+    meta = {"args": vars(args), "link": link, "torch": torch.__version__, "python": platform.python_version(),
+            "cpus": os.cpu_count(), **sizes}
+    write(rows, meta)
+
+
+if __name__ == "__main__":
+    main()

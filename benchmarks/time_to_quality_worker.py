@@ -1,0 +1,220 @@
+"""One rank of the time-to-quality benchmark (started by benchmarks/time_to_quality.py).
+
+Fine-tunes the pre-trained model the parent prepared (`--data`: tokens, weights, vocabulary)
+once per method, every method from the same weights, initialisation, data order and seed, and
+evaluates it every `--eval_every` steps. The clock runs only while training: before an
+evaluation both ranks meet at a barrier and the clock stops; each rank writes its stage's
+weights to `--scratch`, both rebuild the whole model from the two files and evaluate half of
+the held-out blocks each (the link carries only the two sums). Every method runs in every
+round (`--repeats`), in the order of benchmarks/launch.py `round_order`.
+
+Methods: torch.distributed.pipelining (Schedule1F1B over the same stage modules, plus the
+all-reduce of the tied embedding's gradient that a user has to write), and hf-actcomp
+uncompressed and compressed. The uncompressed methods run `--epochs` (the fine-tune of
+benchmarks/finetune_quality.py); the compressed ones up to `--max_epochs`, so that a setting
+slightly worse per step can still show when it gets there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from convergence import make_model
+from launch import busy_cpu_seconds, round_order
+from safetensors.torch import load_file, save_file
+from slow_link_worker import TIE, build_peer
+from torch.utils.data import DataLoader
+from transformers import default_data_collator
+
+import hf_actcomp
+from hf_actcomp import Compression, MemoryConfig, Plan
+
+PEER = "torch.distributed.pipelining"
+BASE = "ours, uncompressed"
+q = lambda b: Compression("quantize", bits=b)  # noqa: E731
+h = lambda b: Compression("hadamard", bits=b)  # noqa: E731
+METHODS: dict[str, tuple[Compression, Compression] | None] = {
+    PEER: None,
+    BASE: (Compression("none"), Compression("none")),
+    "ours, AQ-SGD fw4/bw8": (Compression("aqsgd", bits=4), q(8)),
+    "ours, AQ-SGD fw2/bw4": (Compression("aqsgd", bits=2), q(4)),
+    "ours, TopK 10%": (Compression("topk", ratio=0.1), q(8)),
+    "ours, Hadamard fw4/bw8": (h(4), h(8)),
+    "ours, Hadamard fw3/bw6": (h(3), h(6)),
+}
+UNCOMPRESSED = (PEER, BASE)
+
+
+def load_data(path: str) -> tuple[dict, dict, dict, int]:
+    """The parent's file: train and eval columns, the pre-trained weights, the vocabulary size."""
+    tensors = load_file(path)
+    with open(path + ".json") as f:
+        vocab = json.load(f)["vocab"]
+    part = lambda prefix: {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}  # noqa: E731
+    return part("train."), part("eval."), part("weights."), vocab
+
+
+class Rows(torch.utils.data.Dataset):
+    """Rows of a dict of equally long tensors, for DataLoader."""
+
+    def __init__(self, columns: dict[str, torch.Tensor]) -> None:
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values())))
+
+    def __getitem__(self, i: int) -> dict:
+        return {k: v[i] for k, v in self.columns.items()}
+
+
+class Evaluator:
+    """Eval loss of the whole model from the two stages' weights, half the blocks on each rank."""
+
+    def __init__(self, evaluation: dict, vocab: int, args) -> None:
+        self.rank = dist.get_rank()
+        self.model = make_model(vocab, args.seq_len, seed=0).eval()
+        self.expected = set(self.model.state_dict()) - {TIE[1]}  # wte is lm_head.weight
+        rows = {k: v[self.rank::2] for k, v in evaluation.items()}
+        self.loader = DataLoader(Rows(rows), batch_size=32, collate_fn=default_data_collator)
+        self.scratch = args.scratch
+
+    def __call__(self, stage_state: dict[str, torch.Tensor]) -> float:
+        """The tied embedding is the last stage's `lm_head.weight`: hf-actcomp's owner copy (the
+        first stage's copy is refreshed only in the rows of each batch's tokens before its
+        forward), and equal to the first stage's copy in the peer (all-reduced gradients)."""
+        path = lambda r: os.path.join(self.scratch, f"stage{r}.safetensors")  # noqa: E731
+        save_file({k: v.detach().clone().contiguous() for k, v in stage_state.items()}, path(self.rank))
+        dist.barrier()
+        first, last = load_file(path(0)), load_file(path(1))
+        weights = {**{k: v for k, v in first.items() if k != TIE[1]}, **last}
+        if set(weights) != self.expected:
+            raise RuntimeError(f"the stages' weights do not make the model: {sorted(set(weights) ^ self.expected)}")
+        self.model.load_state_dict(weights, strict=False)
+        total = torch.zeros(2, dtype=torch.float64)
+        with torch.no_grad():
+            for batch in self.loader:
+                n = int((batch["labels"][:, 1:] != -100).sum())
+                total[0] += self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                       labels=batch["labels"]).loss.item() * n
+                total[1] += n
+        dist.all_reduce(total)  # also keeps either rank from overwriting its file while the other reads
+        return (total[0] / total[1]).item()
+
+
+class Clock:
+    """Training seconds only: started and stopped at barriers, so both ranks agree and the last
+    step's pipeline drain is inside. Also the machine's busy CPU seconds over the same windows,
+    to flag a run measured while other processes ran."""
+
+    def __init__(self) -> None:
+        self.seconds = self.own = self.busy = 0.0
+
+    def start(self) -> None:
+        dist.barrier()
+        self._wall, self._own, self._busy = time.perf_counter(), time.process_time(), busy_cpu_seconds()[0]
+
+    def stop(self) -> None:
+        dist.barrier()
+        self.seconds += time.perf_counter() - self._wall
+        self.own += time.process_time() - self._own
+        self.busy += busy_cpu_seconds()[0] - self._busy
+
+    def other_cpu_share(self) -> float:
+        """Share of the machine's CPUs other processes used while the clock ran."""
+        own = [None] * dist.get_world_size()
+        dist.all_gather_object(own, self.own)
+        return max(self.busy - sum(own), 0.0) / (os.cpu_count() * self.seconds)
+
+
+def run(name: str, data, args) -> dict:
+    train, evaluation, weights, vocab = data
+    model = make_model(vocab, args.seq_len, args.seed)
+    model.load_state_dict(weights, strict=False)  # lm_head.weight is the tied wte
+    if name == PEER:
+        module, peer_step, _ = build_peer(model, args.micro_batches, tied=True)
+        params, state = module.parameters(), module.state_dict
+    else:
+        forward, backward = METHODS[name]
+        plan = Plan(num_stages=2, micro_batches=args.micro_batches, split_points=[2], schedule="1f1b",
+                    forward=forward, backward=backward,
+                    memory=MemoryConfig(num_samples=len(Rows(train)), store="host", dtype="fp16"))
+        pipe = hf_actcomp.prepare(model, plan, timeout=600, track_error=False)
+        params, state = pipe.parameters(), pipe.stage.state_dict
+    torch.manual_seed(args.seed)
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
+    loader = DataLoader(Rows(train), batch_size=args.batch_size, shuffle=True, drop_last=True,
+                        collate_fn=default_data_collator, generator=torch.Generator().manual_seed(args.seed))
+    evaluate = Evaluator(evaluation, vocab, args)
+    curve = [dict(seconds=0.0, step=0, eval_loss=evaluate(state()))]
+    clock, step = Clock(), 0
+    epochs = args.epochs if name in UNCOMPRESSED else args.max_epochs
+    clock.start()
+    for _ in range(epochs):
+        for batch in loader:
+            if name == PEER:
+                peer_step(batch)
+            else:
+                pipe.train_step(batch)
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            if step % args.eval_every == 0 or step == epochs * len(loader):
+                clock.stop()
+                curve.append(dict(seconds=clock.seconds, step=step, eval_loss=evaluate(state())))
+                clock.start()
+    clock.stop()
+    if name == PEER:  # fp32 activations and their gradients, and the ring all-reduce of the tie on 2 ranks
+        sent = 2 * args.batch_size * args.seq_len * model.config.hidden_size * 4 + 2 * vocab * model.config.n_embd * 4
+        traffic = dict(bytes_per_step=sent, byte_ratio=1.0)
+    else:
+        stats = pipe.stats(gather=True)
+        traffic = dict(bytes_per_step=stats["bytes_sent"] / step, byte_ratio=stats["compression_ratio"])
+    return dict(method=name, steps=step, epochs=epochs, train_seconds=clock.seconds, curve=curve,
+                final_eval_loss=curve[-1]["eval_loss"],
+                other_cpu_share=clock.other_cpu_share(), **traffic)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--link", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--scratch", required=True)
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--max_epochs", type=int, default=6)
+    p.add_argument("--eval_every", type=int, default=8)
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--micro_batches", type=int, default=4)
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    data = load_data(args.data)
+    runs = []
+    for k in range(args.repeats):
+        order = round_order(len(args.methods), k, args.repeats)
+        for position, index in enumerate(order):
+            row = dict(run(args.methods[index], data, args), round=k, position=position, link=args.link)
+            runs.append(row)
+            if dist.get_rank() == 0:
+                print(f"{args.link} round {k} {row['method']:<30} {row['steps']} steps in {row['train_seconds']:6.1f}s "
+                      f"final eval {row['final_eval_loss']:.4f}  {row['bytes_per_step'] / 1e6:.3f} MB/step  "
+                      f"other CPU {100 * row['other_cpu_share']:.0f}%",
+                      flush=True)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": runs}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
