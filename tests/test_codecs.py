@@ -203,6 +203,18 @@ def test_hadamard_rotation_is_orthogonal_and_inverts_exactly(hidden, block):
         assert not torch.equal(rotation, make_codec("hadamard", bits=4, seed=4).rotate(torch.eye(hidden, dtype=torch.float64)))
 
 
+@pytest.mark.parametrize("block", [1, 2, 8, 128, 256])
+def test_hadamard_transform_is_the_normalised_sylvester_matrix(block):
+    from hf_actcomp.codecs.hadamard import hadamard_transform
+
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:  # Sylvester: H_2n = H_2 (x) H_n
+        h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64), h)
+    x = torch.randn(3, 2 * block, dtype=torch.float64)  # two blocks per row, transformed separately
+    expected = torch.cat([x[:, :block] @ h, x[:, block:] @ h], dim=1) / block**0.5
+    torch.testing.assert_close(hadamard_transform(x, block), expected, atol=1e-12, rtol=0)
+
+
 def _outlier_activations(tokens: int = 256, hidden: int = 1024) -> torch.Tensor:
     """Gaussian activations whose 8 of 1024 channels are scaled x40, as real LLMs have."""
     g = torch.Generator().manual_seed(0)

@@ -27,7 +27,8 @@ from hf_actcomp.pipeline import stage_actions
 def test_identity_codec_matches_unsplit_model(tmp_path, num_stages):
     """Every family (GPipe too for a tied, an untied and the MoE model; 1F1B for all), padding
     and tied embeddings: loss and every parameter's gradient on every stage equal the unsplit
-    model's, and so does eval_step's loss."""
+    model's, and so does eval_step's loss. eval_step's bytes, router statistics included, all
+    count as `evaluation`."""
     run_workers("pipeline_worker.py", num_stages, ["exact", str(tmp_path), str(num_stages)], timeout=400)
     for case, (family, overrides) in EXACT_CASES.items():
         reference = debug_model(family, seed=0, **overrides)
@@ -42,8 +43,21 @@ def test_identity_codec_matches_unsplit_model(tmp_path, num_stages):
                 got = load_file(tmp_path / f"{case}-{schedule}-rank{rank}.safetensors")
                 torch.testing.assert_close(got["loss"][0], loss.detach(), atol=1e-6, rtol=1e-6)
                 torch.testing.assert_close(got["eval_loss"][0], loss.detach(), atol=1e-6, rtol=1e-6)
+                assert int(got["eval_step_router_bytes"][0]) == 0
+                assert int(got["eval_step_evaluation_bytes"][0]) == eval_bytes(reference, batch, rank, num_stages)
                 check_stage_grads(got, ref_grads, partners, f"{case}/{schedule}", seen)
             assert seen == set(ref_grads), f"{case}: parameters missing on every stage: {set(ref_grads) - seen}"
+
+
+def eval_bytes(model, batch, rank: int, num_stages: int) -> int:
+    """What eval_step sends from `rank` with the identity codec: fp32 activations (and, with
+    router logits, 2E+1 floats of statistics per micro-batch) forward; the tied embedding's
+    owner (the last stage) sends the batch's distinct rows."""
+    hidden = model.config.hidden_size
+    if rank == num_stages - 1:
+        return torch.unique(batch["input_ids"]).numel() * hidden * 4 if tie_partners(model) else 0
+    side = 2 * model.config.num_local_experts + 1 if getattr(model.config, "output_router_logits", False) else 0
+    return batch["input_ids"].numel() * hidden * 4 + num_stages * side * 4  # micro_batches = num_stages
 
 
 @pytest.mark.parametrize("num_stages", [2, 3])

@@ -282,7 +282,7 @@ class Pipeline(nn.Module):
                 else:
                     payload = sender.encode(out.to(self.boundary_dtype).contiguous())
                     counter.add(payload.numel(), out.numel() * torch.finfo(self.boundary_dtype).bits // 8)
-                    self.transport.send(self._with_side(payload, stats), self.mesh.next_rank)
+                    self.transport.send(self._with_side(payload, stats, counter), self.mesh.next_rank)
             self.transport.flush()
         finally:
             self.stage.train(was_training)
@@ -380,11 +380,13 @@ class Pipeline(nn.Module):
             return payload, None
         return payload[:nbytes], payload[nbytes:].clone().view(torch.float32)
 
-    def _with_side(self, payload: torch.Tensor, side: torch.Tensor | None) -> torch.Tensor:
+    def _with_side(self, payload: torch.Tensor, side: torch.Tensor | None,
+                   counter: TrafficCounter | None = None) -> torch.Tensor:
+        """`payload` with the router statistics appended (counted under `router`, or `counter`)."""
         if self.router is None:
             return payload
         extra = side.detach().to(torch.float32).contiguous().view(torch.uint8)
-        self.traffic["router"].add(extra.numel(), extra.numel())
+        (counter or self.traffic["router"]).add(extra.numel(), extra.numel())
         return torch.cat([payload, extra.to(payload.device)])
 
     def count_over_replicas(self, count: int) -> int:

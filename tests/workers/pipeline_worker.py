@@ -48,7 +48,12 @@ def exact(out_dir: str, num_stages: int) -> None:
             out = pipe.train_step(padded_batch(model.config.vocab_size))
             tensors = stage_grads(pipe)
             tensors["loss"] = out.loss.reshape(1)
+            before = pipe.stats()["categories"]
             tensors["eval_loss"] = pipe.eval_step(padded_batch(model.config.vocab_size)).loss.reshape(1)
+            after = pipe.stats()["categories"]
+            for category in ("evaluation", "router"):  # what eval_step sent, by category
+                sent = [c.get(category, {}).get("bytes_sent", 0) for c in (before, after)]
+                tensors[f"eval_step_{category}_bytes"] = torch.tensor([sent[1] - sent[0]])
             save_file({k: v.contiguous() for k, v in tensors.items()},
                       os.path.join(out_dir, f"{case}-{schedule}-rank{rank}.safetensors"))
 
