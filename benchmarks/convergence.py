@@ -7,8 +7,9 @@ the plan's compression at inference and without it, bytes sent per step, and the
 
     .venv/bin/python benchmarks/convergence.py            # ~12 minutes on 2 cores
     .venv/bin/python benchmarks/convergence.py --quick    # a smoke run
+    .venv/bin/python benchmarks/convergence.py --compare convergence convergence_rerun  # curves drifting apart
 
-Writes benchmarks/results/convergence.{json,md,png}.
+Writes benchmarks/results/convergence.{json,md,png} (`--name` another name).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def write_outputs(rows: list[dict], args) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     meta = {"args": vars(args), "torch": torch.__version__, "machine": platform.machine(),
             "threads": torch.get_num_threads()}
-    with open(os.path.join(RESULTS, "convergence.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     base = rows[0]
     lines = [
@@ -147,7 +148,7 @@ def write_outputs(rows: list[dict], args) -> None:
         )
     lines.append("")
     lines.append(f"Uncompressed traffic: {base['bytes_per_step_uncompressed'] / 1e6:.3f} MB/step.")
-    with open(os.path.join(RESULTS, "convergence.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
@@ -168,7 +169,36 @@ def write_outputs(rows: list[dict], args) -> None:
     ax.set_title("Training loss under boundary compression (simulated 2-stage pipeline)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "convergence.png"), dpi=110)
+    fig.savefig(os.path.join(RESULTS, f"{args.name}.png"), dpi=110)
+
+
+def compare(names: list[str]) -> None:
+    """How the training curves of saved runs (results file names) drift apart, setting by
+    setting: the first step whose train loss differs from the first run's, by how much, and the
+    gap later on. Writes benchmarks/results/convergence_divergence.md."""
+    runs = {}
+    for name in names:
+        with open(os.path.join(RESULTS, f"{name}.json")) as f:
+            runs[name] = {r["setting"]: r for r in json.load(f)["rows"]}
+    first, *others = names
+    at = (10, 50, 200)
+    lines = [f"Train loss of each run against `{first}`, step by step (0 = the first step's loss).", "",
+             "| setting | run | first step that differs | by | " + " | ".join(f"gap at step {s}" for s in at)
+             + " | gap at the end | eval loss (plain inference) | eval loss of " + first + " |", "|---" * (7 + len(at)) + "|"]
+    for setting, base in runs[first].items():
+        for other in others:
+            if setting not in runs[other]:
+                continue
+            r = runs[other][setting]
+            gaps = [abs(x - y) for x, y in zip(base["train_curve"], r["train_curve"], strict=True)]
+            step = next((i for i, gap in enumerate(gaps) if gap > 0), None)
+            lines.append(f"| {setting} | {other} | {'none' if step is None else step} | "
+                         f"{'' if step is None else f'{gaps[step]:.1e}'} | "
+                         + " | ".join(f"{gaps[s]:.1e}" for s in at) + f" | {gaps[-1]:.1e} | "
+                         f"{r['eval_loss_uncompressed']:.3f} | {base['eval_loss_uncompressed']:.3f} |")
+    with open(os.path.join(RESULTS, "convergence_divergence.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main(argv=None) -> None:
@@ -180,8 +210,14 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="*", default=None, help="run only these settings")
+    p.add_argument("--name", default="convergence", help="results file name in benchmarks/results/")
     p.add_argument("--quick", action="store_true", help="2 epochs on 128 samples, three settings")
+    p.add_argument("--compare", nargs="+", metavar="NAME",
+                   help="only compare the training curves of these saved results (no training)")
     args = p.parse_args(argv)
+    if args.compare:
+        compare(args.compare)
+        return
     if args.quick:
         args.epochs, args.train_samples = 2, 128
         args.only = args.only or ["none", "aqsgd fw4/bw8", "topk 10% + EF"]
