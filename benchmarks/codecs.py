@@ -4,6 +4,7 @@ Side by side with the memory-bound floor (a plain tensor copy) and, for the spar
 `torch.topk` at the same k. Also relative error ||x - x_hat|| / ||x|| and bits per element.
 
     .venv/bin/python benchmarks/codecs.py [--device cuda] [--repeats 5]
+    .venv/bin/python benchmarks/codecs.py --codecs quantize hadamard --repeats 9 --name codecs_cpu_hadamard
     .venv/bin/python benchmarks/codecs.py --outliers
 
 Writes benchmarks/results/codecs_<device>.{json,md}. With `--outliers`, instead: the relative
@@ -74,7 +75,8 @@ def timed(fn, repeats: int, device: str) -> float:
     return statistics.median(times)
 
 
-def bench(shape, dtype, device, repeats) -> list[dict]:
+def bench(shape, dtype, device, repeats, codecs=None) -> list[dict]:
+    """Every case of CASES (only those of the codecs named in `codecs`, if given) and the copy floor."""
     torch.manual_seed(0)
     x = torch.randn(shape, device=device).to(dtype)
     n = x.numel()
@@ -85,6 +87,8 @@ def bench(shape, dtype, device, repeats) -> list[dict]:
                  ms_decode=0.0, ms_total=copy_ms, x_copy=1.0, gb_per_s=nbytes / copy_ms / 1e6,
                  bits_per_element=8.0 * x.element_size(), relative_error=0.0)]
     for name, params in CASES:
+        if codecs and name not in codecs:
+            continue
         encoder, decoder = make_codec(name, **params), make_codec(name, **params)
         payload = encoder.encode(x)
         # randk's index stream advances per call: keep both sides in step for the error measure.
@@ -181,18 +185,20 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--shape", type=int, nargs="+", default=[8, 1024, 768])
     p.add_argument("--outliers", action="store_true", help="the scaling comparison on outlier tensors instead")
+    p.add_argument("--codecs", nargs="+", default=None, help="measure only these codecs (and the copy floor)")
+    p.add_argument("--name", default=None, help="results file name (default codecs_<device>)")
     args = p.parse_args(argv)
     if args.outliers:
         outliers()
         return
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        rows += bench(tuple(args.shape), dtype, args.device, args.repeats)
+        rows += bench(tuple(args.shape), dtype, args.device, args.repeats, args.codecs)
     meta = dict(device=args.device, shape=args.shape, torch=torch.__version__, threads=torch.get_num_threads(),
                 machine=platform.machine(), cpu_count=os.cpu_count(),
                 gpu=torch.cuda.get_device_name() if args.device == "cuda" else None)
     os.makedirs(RESULTS, exist_ok=True)
-    stem = os.path.join(RESULTS, f"codecs_{args.device}")
+    stem = os.path.join(RESULTS, args.name or f"codecs_{args.device}")
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     header = "| codec | params | dtype | encode ms | decode ms | total ms | x copy time | GB/s | bits/elem | rel. error |"

@@ -77,6 +77,9 @@ def main(argv=None) -> dict:
         print(json.dumps(result, indent=2))
     if args.push_to_hub:
         trainer.push_to_hub(commit_message="End of training")  # collective; rank 0 uploads
+    # Destroy the process groups before exit: left to interpreter shutdown, gloo's destructor
+    # aborted a rank once ("terminate called without an active exception").
+    trainer.accelerator.end_training()
     return result
 
 

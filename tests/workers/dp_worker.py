@@ -146,8 +146,8 @@ def train(out_dir, steps, cast):
         json.dump({"runs": result, "refused": refused}, f)
 
 
-def resume(out_dir, name):
-    """4 steps == 2 steps, save hook state + params, fresh DDP, load, 2 steps."""
+def resume(out_dir, names):
+    """For each hook: 4 steps == 2 steps, save hook state + params, fresh DDP, load, 2 steps."""
     rank = dist.get_rank()
 
     def run(model, state, steps):
@@ -158,20 +158,23 @@ def resume(out_dir, name):
             optimizer.step()
             optimizer.zero_grad()
 
-    full = DDP(small_model())
-    run(full, dp.register(full, name, **HOOK_PARAMS[name]), range(4))
-    first = DDP(small_model())
-    state = dp.register(first, name, **HOOK_PARAMS[name])
-    run(first, state, range(2))
-    dp.save_state(state, os.path.join(out_dir, "hook"))
-    second = DDP(small_model())
-    second.module.load_state_dict(first.module.state_dict())
-    state2 = dp.register(second, name, **HOOK_PARAMS[name])
-    dp.load_state(state2, os.path.join(out_dir, "hook"))
-    run(second, state2, range(2, 4))
-    diff = max(float((a - b).abs().max()) for a, b in zip(full.parameters(), second.parameters(), strict=True))
+    diffs = {}
+    for name in names:
+        full = DDP(small_model())
+        run(full, dp.register(full, name, **HOOK_PARAMS[name]), range(4))
+        first = DDP(small_model())
+        state = dp.register(first, name, **HOOK_PARAMS[name])
+        run(first, state, range(2))
+        dp.save_state(state, os.path.join(out_dir, f"hook-{name}"))
+        second = DDP(small_model())
+        second.module.load_state_dict(first.module.state_dict())
+        state2 = dp.register(second, name, **HOOK_PARAMS[name])
+        dp.load_state(state2, os.path.join(out_dir, f"hook-{name}"))
+        run(second, state2, range(2, 4))
+        diffs[name] = max(float((a - b).abs().max()) for a, b in zip(full.parameters(), second.parameters(),
+                                                                     strict=True))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"max_diff": diff}, f)
+        json.dump(diffs, f)
 
 
 def errors(out_dir):
@@ -232,7 +235,7 @@ def main():
      "accounting": lambda: accounting(out_dir),
      "unbiased": lambda: unbiased(out_dir, int(rest[0])),
      "train": lambda: train(out_dir, int(rest[0]), rest[1]),
-     "resume": lambda: resume(out_dir, rest[0]),
+     "resume": lambda: resume(out_dir, rest),
      "errors": lambda: errors(out_dir)}[scenario]()
     dist.barrier()
     dist.destroy_process_group()
