@@ -64,6 +64,19 @@ def stdlib_corpus(max_files: int) -> list[str]:
     return texts
 
 
+def corpora(args):
+    """The pre-training blocks (docs: train, eval), the fine-tuning blocks (stdlib source: train,
+    the first `eval_samples` held-out ones) and the vocabulary size of the tokenizer built on the
+    docs (the pre-trained model's tokenizer, as in practice)."""
+    docs = offline_corpus()
+    tokenizer = build_tokenizer(docs, vocab_size=1024)
+    pre_train, pre_eval = causal_lm_datasets(tokenizer, docs, seq_len=args.seq_len, max_train_samples=1024)
+    code = stdlib_corpus(args.stdlib_files)
+    ft_train, ft_eval = causal_lm_datasets(tokenizer, code, seq_len=args.seq_len, max_train_samples=args.train_samples)
+    ft_eval = ft_eval.select(range(min(args.eval_samples, len(ft_eval))))
+    return pre_train, pre_eval, ft_train, ft_eval, len(tokenizer)
+
+
 def pretrain(data, args) -> dict[str, torch.Tensor]:
     """Uncompressed pre-training on the documentation; returns the weights every fine-tune starts from."""
     train, evaluation, vocab = data
@@ -224,16 +237,11 @@ def main(argv=None) -> None:
     if args.quick:
         args.pretrain_epochs, args.epochs, args.train_samples = 1, 2, 128
         args.only = args.only or ["none", "aqsgd fw2/bw4", "hadamard fw3/bw6"]
-    docs = offline_corpus()
-    tokenizer = build_tokenizer(docs, vocab_size=1024)  # the pre-trained model's tokenizer, as in practice
-    pre_train, pre_eval = causal_lm_datasets(tokenizer, docs, seq_len=args.seq_len, max_train_samples=1024)
-    code = stdlib_corpus(args.stdlib_files)
-    ft_train, ft_eval = causal_lm_datasets(tokenizer, code, seq_len=args.seq_len, max_train_samples=args.train_samples)
-    ft_eval = ft_eval.select(range(min(args.eval_samples, len(ft_eval))))
+    pre_train, pre_eval, ft_train, ft_eval, vocab = corpora(args)
     print(f"pre-training: {len(pre_train)} blocks of docs; fine-tuning: {len(ft_train)} train / {len(ft_eval)} "
           f"eval blocks of stdlib source", flush=True)
-    weights = pretrain((pre_train.with_format("torch"), pre_eval.with_format("torch"), len(tokenizer)), args)
-    data = (ft_train.with_format("torch"), ft_eval.with_format("torch"), len(tokenizer))
+    weights = pretrain((pre_train.with_format("torch"), pre_eval.with_format("torch"), vocab), args)
+    data = (ft_train.with_format("torch"), ft_eval.with_format("torch"), vocab)
     rows = []
     for seed in args.seeds:
         for name, (fw, bw) in settings().items():

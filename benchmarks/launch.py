@@ -54,6 +54,12 @@ def busy_cpu_seconds() -> tuple[float, float]:
     return (user + nice + system + irq + softirq) / hz, steal / hz
 
 
+def other_cpu_share(busy: float, own: list[float], wall: float) -> float:
+    """Share of the machine's CPUs that other processes used over `wall` seconds: the machine's
+    busy CPU seconds minus our ranks' own."""
+    return max(busy - sum(own), 0.0) / (os.cpu_count() * wall)
+
+
 def wait_until_quiet(limit: float, period: float = 3.0, longest: float = 600.0) -> None:
     """Sleep until the machine's CPUs were busy at most `limit` over `period` seconds (our own
     ranks are idle meanwhile), or `longest` seconds have passed."""

@@ -33,7 +33,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from launch import busy_cpu_seconds, round_order, wait_until_quiet
+from launch import busy_cpu_seconds, other_cpu_share, round_order, wait_until_quiet
 from transformers import AutoModelForCausalLM, GPT2Config
 
 import hf_actcomp
@@ -232,9 +232,8 @@ def timed(step, steps: int) -> tuple[float, dict]:
     dist.all_gather_object(per_rank, mine)
     # Both ranks' windows are about the same; rank 0's view of the machine stands for both (and
     # every rank computes the same number, so they agree on a retry).
-    cpus = os.cpu_count() * per_rank[0]["wall"]
-    other = max(per_rank[0]["busy"] - sum(r["own"] for r in per_rank), 0.0) / cpus
-    result = dict(other_cpu_share=other, steal_cpu_share=per_rank[0]["steal"] / cpus,
+    other = other_cpu_share(per_rank[0]["busy"], [r["own"] for r in per_rank], per_rank[0]["wall"])
+    result = dict(other_cpu_share=other, steal_cpu_share=per_rank[0]["steal"] / (os.cpu_count() * per_rank[0]["wall"]),
                   link_tx_bytes_window=None, link_tx_packets_window=None, link_tx_per_rank=None)
     if None not in (r["tx"] for r in per_rank):
         txs = [r["tx"] for r in per_rank]

@@ -29,13 +29,11 @@ import sys
 import tempfile
 
 import torch
-from finetune_quality import pretrain, stdlib_corpus
+from finetune_quality import corpora, pretrain
 from launch import median, ratio_spread, run_workers
 from safetensors.torch import save_file
 from slow_link import LinkedNamespaces
 from time_to_quality_worker import BASE, METHODS, PEER
-
-from hf_actcomp.data import build_tokenizer, causal_lm_datasets, offline_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -45,13 +43,7 @@ WORKER = os.path.join(ROOT, "benchmarks", "time_to_quality_worker.py")
 def prepare_data(path: str, args) -> None:
     """Tokenise both corpora, pre-train (uncompressed, in this process), and write the fine-tuning
     blocks and the pre-trained weights to `path` (safetensors) for the workers."""
-    docs = offline_corpus()
-    tokenizer = build_tokenizer(docs, vocab_size=1024)
-    pre_train, pre_eval = causal_lm_datasets(tokenizer, docs, seq_len=args.seq_len, max_train_samples=1024)
-    train, evaluation = causal_lm_datasets(tokenizer, stdlib_corpus(args.stdlib_files), seq_len=args.seq_len,
-                                           max_train_samples=args.train_samples)
-    evaluation = evaluation.select(range(min(args.eval_samples, len(evaluation))))
-    vocab = len(tokenizer)
+    pre_train, pre_eval, train, evaluation, vocab = corpora(args)
     weights = pretrain((pre_train.with_format("torch"), pre_eval.with_format("torch"), vocab), args)
     tensors = {f"weights.{k}": v.contiguous() for k, v in weights.items()}
     for prefix, dataset in (("train", train), ("eval", evaluation)):

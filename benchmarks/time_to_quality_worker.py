@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 from convergence import make_model
-from launch import busy_cpu_seconds, round_order
+from launch import busy_cpu_seconds, other_cpu_share, round_order
 from safetensors.torch import load_file, save_file
 from slow_link_worker import TIE, build_peer
 from torch.utils.data import DataLoader
@@ -128,7 +128,7 @@ class Clock:
         """Share of the machine's CPUs other processes used while the clock ran."""
         own = [None] * dist.get_world_size()
         dist.all_gather_object(own, self.own)
-        return max(self.busy - sum(own), 0.0) / (os.cpu_count() * self.seconds)
+        return other_cpu_share(self.busy, own, self.seconds)
 
 
 def run(name: str, data, args) -> dict:
@@ -169,7 +169,8 @@ def run(name: str, data, args) -> dict:
                 clock.start()
     clock.stop()
     if name == PEER:  # fp32 activations and their gradients, and the ring all-reduce of the tie on 2 ranks
-        sent = 2 * args.batch_size * args.seq_len * model.config.hidden_size * 4 + 2 * vocab * model.config.n_embd * 4
+        hidden = model.config.hidden_size
+        sent = 2 * args.batch_size * args.seq_len * hidden * 4 + 2 * vocab * hidden * 4
         traffic = dict(bytes_per_step=sent, byte_ratio=1.0)
     else:
         stats = pipe.stats(gather=True)
