@@ -7,8 +7,12 @@ fine-tuned from that checkpoint on a different one (the source code of the stand
 top-level modules), once per compression setting, with the same data order, initialisation and
 seed. Reported per setting and seed: the final eval loss and perplexity on held-out stdlib code,
 with the plan's compression at inference and without it, bytes per step, and the training curve.
+The model's head is tied to its input embedding: three settings also compress the tie's rows
+(`Plan.tie_compression`, which the simulation emulates as the pipeline exchanges them); the
+others exchange them exactly, and every row reports the tie's bytes per step.
 
-    .venv/bin/python benchmarks/finetune_quality.py                 # 3 seeds, ~32 minutes on 2 cores
+    .venv/bin/python benchmarks/finetune_quality.py                 # 3 seeds; ~32 minutes on 2 cores before
+                                                                    # the two warm-up settings were added
     .venv/bin/python benchmarks/finetune_quality.py --seeds 0 --quick
 
 Writes benchmarks/results/finetune_quality.{json,md,png}.
@@ -39,18 +43,28 @@ from hf_actcomp.data import build_tokenizer, causal_lm_datasets, offline_corpus
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def settings() -> dict[str, tuple[Compression, Compression]]:
-    """The from-scratch study's settings (convergence.py), plus 3 bits and the cacheless codec,
-    in table order."""
+def settings() -> dict[str, tuple[Compression, Compression, Compression | None]]:
+    """(forward, backward, tie_compression) per setting: the from-scratch study's settings
+    (convergence.py), plus 3 bits, the cacheless codec, AQ-SGD with a compressed warm-up (first
+    visits Hadamard-4 instead of uncompressed) and compressed tied-embedding rows (8-bit, alone
+    and with AQ-SGD), in table order; tie None: exact rows."""
     q = lambda b: Compression("quantize", bits=b)  # noqa: E731
     h = lambda b: Compression("hadamard", bits=b)  # noqa: E731
+    warm = lambda b: Compression("aqsgd", bits=b, first_visit=h(4))  # noqa: E731
     every = {**convergence_settings(0), "quantize fw3/bw6": (q(3), q(6)),
              "aqsgd fw3/bw6": (Compression("aqsgd", bits=3), q(6)),
-             "hadamard fw3/bw6": (h(3), h(6)), "hadamard fw4/bw8": (h(4), h(8))}
+             "hadamard fw3/bw6": (h(3), h(6)), "hadamard fw4/bw8": (h(4), h(8)),
+             "aqsgd fw2/bw4 warm-up h4": (warm(2), q(4)), "aqsgd fw4/bw8 warm-up h4": (warm(4), q(8))}
     order = ["none", "quantize fw2/bw4", "quantize fw3/bw6", "quantize fw4/bw8", "aqsgd fw2/bw4", "aqsgd fw3/bw6",
              "aqsgd fw4/bw8", "topk 10%", "topk 30%", "topk 10% + EF", "topk 30% + EF", "aqsgd topk 30%",
-             "hadamard fw3/bw6", "hadamard fw4/bw8"]
-    return {name: every[name] for name in order}
+             "hadamard fw3/bw6", "hadamard fw4/bw8", "aqsgd fw2/bw4 warm-up h4", "aqsgd fw4/bw8 warm-up h4"]
+    tie = q(8)
+    ties = {"tie quantize8": (Compression(), Compression(), tie),
+            "aqsgd fw2/bw4 + tie quantize8": (*every["aqsgd fw2/bw4"], tie),
+            "aqsgd fw4/bw8 + tie quantize8": (*every["aqsgd fw4/bw8"], tie),
+            "aqsgd fw2/bw4 warm-up h4 + tie quantize8": (*every["aqsgd fw2/bw4 warm-up h4"], tie),
+            "aqsgd fw4/bw8 warm-up h4 + tie quantize8": (*every["aqsgd fw4/bw8 warm-up h4"], tie)}
+    return {**{name: (*every[name], None) for name in order}, **ties}
 
 
 def stdlib_corpus(max_files: int) -> list[str]:
@@ -98,12 +112,12 @@ def pretrain(data, args) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def finetune(name, forward, backward, weights, data, args, seed) -> dict:
+def finetune(name, forward, backward, tie, weights, data, args, seed) -> dict:
     train, evaluation, vocab = data
     model = make_model(vocab, args.seq_len, seed)
     model.load_state_dict(weights)
     plan = Plan(num_stages=2, micro_batches=2, split_points=[2], forward=forward, backward=backward,
-                memory=MemoryConfig(num_samples=len(train), store="host", dtype="fp16"))
+                memory=MemoryConfig(num_samples=len(train), store="host", dtype="fp16"), tie_compression=tie)
     sim = hf_actcomp.simulate(model, plan)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(sim.parameters(), lr=args.lr)
@@ -111,9 +125,11 @@ def finetune(name, forward, backward, weights, data, args, seed) -> dict:
                         collate_fn=default_data_collator, generator=torch.Generator().manual_seed(seed))
     eval_loader = DataLoader(evaluation, batch_size=32, collate_fn=default_data_collator)
     curve, epoch_eval = [], []
+    exact_tie = 0  # what the pipeline's exact tie sends: the batch's distinct rows there and back, fp32
     start = time.perf_counter()
     for _ in range(args.epochs):
         for batch in loader:
+            exact_tie += 2 * torch.unique(batch["input_ids"]).numel() * model.config.hidden_size * 4
             loss = sim(**batch).loss
             loss.backward()
             optimizer.step()
@@ -128,19 +144,26 @@ def finetune(name, forward, backward, weights, data, args, seed) -> dict:
     plain = eval_loss(model, eval_loader)
     with hf_actcomp.compressed_inference(model, plan) as inf:
         compressed = eval_loss(inf, eval_loader)
+    # Boundary traffic (activations and their gradients) apart from the tie's rows.
+    boundary = [stats["categories"][c] for c in ("activations", "activation_gradients")]
+    sent, raw = sum(c["bytes_sent"] for c in boundary), sum(c["bytes_uncompressed"] for c in boundary)
+    tie_sent = stats["categories"]["tie"]["bytes_sent"] if tie is not None else exact_tie
     row = {
         "setting": name, "seed": seed, "forward": forward.describe(), "backward": backward.describe(),
+        "tie": tie.describe() if tie is not None else "exact",
         "eval_loss_compressed": compressed, "eval_loss_uncompressed": plain,
-        "bytes_per_step": stats["bytes_sent"] / len(curve),
-        "bytes_per_step_uncompressed": stats["bytes_uncompressed"] / len(curve),
-        "compression_ratio": stats["compression_ratio"],
+        "bytes_per_step": sent / len(curve),
+        "bytes_per_step_uncompressed": raw / len(curve),
+        "compression_ratio": raw / sent if sent else 1.0,
+        "tie_bytes_per_step": tie_sent / len(curve),
+        "tie_bytes_per_step_uncompressed": exact_tie / len(curve),
         "forward_relative_error": stats["channels"]["boundary0.forward"]["relative_error"],
         "backward_relative_error": stats["channels"]["boundary0.backward"]["relative_error"],
         "epoch_eval_loss_uncompressed": epoch_eval, "train_curve": curve, "seconds": seconds,
     }
-    print(f"seed {seed} {name:18s} eval {plain:.4f} (compressed inference {compressed:.4f})  "
-          f"{row['bytes_per_step'] / 1e6:6.3f} MB/step  ratio {row['compression_ratio']:5.1f}x  {seconds:4.0f}s",
-          flush=True)
+    print(f"seed {seed} {name:30s} eval {plain:.4f} (compressed inference {compressed:.4f})  "
+          f"{row['bytes_per_step'] / 1e6:6.3f} MB/step  ratio {row['compression_ratio']:5.1f}x  "
+          f"tie {row['tie_bytes_per_step'] / 1e6:6.3f} MB/step  {seconds:4.0f}s", flush=True)
     return row
 
 
@@ -153,13 +176,16 @@ def summarise(rows: list[dict]) -> list[dict]:
         plain = [r["eval_loss_uncompressed"] for r in mine]
         gaps = [100 * (r["eval_loss_uncompressed"] / base[r["seed"]] - 1) for r in mine if r["seed"] in base]
         out.append({
-            "setting": name, "forward": mine[0]["forward"], "backward": mine[0]["backward"], "seeds": len(mine),
+            "setting": name, "forward": mine[0]["forward"], "backward": mine[0]["backward"],
+            "tie": mine[0].get("tie", "exact"), "seeds": len(mine),
             "eval_loss": statistics.median(plain), "eval_loss_min": min(plain), "eval_loss_max": max(plain),
             "eval_loss_compressed": statistics.median(r["eval_loss_compressed"] for r in mine),
             "gap_percent": statistics.median(gaps) if gaps else None,
             "gap_percent_min": min(gaps) if gaps else None, "gap_percent_max": max(gaps) if gaps else None,
             "bytes_per_step": statistics.median(r["bytes_per_step"] for r in mine),
             "compression_ratio": statistics.median(r["compression_ratio"] for r in mine),
+            "tie_bytes_per_step": (statistics.median(r["tie_bytes_per_step"] for r in mine)
+                                   if all("tie_bytes_per_step" in r for r in mine) else None),
         })
     return out
 
@@ -175,17 +201,19 @@ def write_outputs(rows: list[dict], summary: list[dict], meta: dict) -> None:
         f"{a['epochs']} epochs, batch {a['batch_size']}, 2 stages split after block 2, 2 micro-batches, AdamW lr "
         f"{a['lr']}; seeds {a['seeds']} (median [min-max]). Eval: {meta['eval_blocks']} held-out blocks.",
         "",
-        "| setting | fw | bw | eval loss | vs none (same seed) | eval loss, codec at inference | ppl | MB/step "
-        "| ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| setting | fw | bw | tie | eval loss | vs none (same seed) | eval loss, codec at inference | ppl | MB/step "
+        "| ratio | tie MB/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         gap = "-" if s["setting"] == "none" or s["gap_percent"] is None else (
             f"{s['gap_percent']:+.2f}% [{s['gap_percent_min']:+.2f}, {s['gap_percent_max']:+.2f}]")
+        tie_mb = "-" if s.get("tie_bytes_per_step") is None else f"{s['tie_bytes_per_step'] / 1e6:.3f}"
         lines.append(
-            f"| {s['setting']} | {s['forward']} | {s['backward']} | {s['eval_loss']:.4f} "
+            f"| {s['setting']} | {s['forward']} | {s['backward']} | {s.get('tie', 'exact')} | {s['eval_loss']:.4f} "
             f"[{s['eval_loss_min']:.4f}-{s['eval_loss_max']:.4f}] | {gap} | {s['eval_loss_compressed']:.4f} | "
-            f"{math.exp(s['eval_loss']):.2f} | {s['bytes_per_step'] / 1e6:.3f} | {s['compression_ratio']:.1f}x |")
+            f"{math.exp(s['eval_loss']):.2f} | {s['bytes_per_step'] / 1e6:.3f} | {s['compression_ratio']:.1f}x "
+            f"| {tie_mb} |")
     with open(os.path.join(RESULTS, "finetune_quality.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -196,7 +224,7 @@ def write_outputs(rows: list[dict], summary: list[dict], meta: dict) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 5))
     seed = rows[0]["seed"]
-    colors = plt.cm.tab20.colors  # 14 settings: the default cycle of 10 would repeat colours
+    colors = plt.cm.tab20.colors  # 19 settings: the default cycle of 10 would repeat colours
     for i, r in enumerate(r for r in rows if r["seed"] == seed):
         ax.plot(range(1, len(r["epoch_eval_loss_uncompressed"]) + 1), r["epoch_eval_loss_uncompressed"],
                 marker="o", color=colors[i % len(colors)], linestyle="-" if i % 2 == 0 else "--", label=r["setting"])
@@ -228,6 +256,8 @@ def main(argv=None) -> None:
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--only", nargs="*", default=None, help="run only these settings")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the saved rows of settings and seeds not run again (with --only)")
     p.add_argument("--quick", action="store_true", help="1 pre-training epoch, 2 fine-tuning epochs, 3 settings")
     p.add_argument("--replot", action="store_true", help="only rewrite the table and plot from the saved JSON")
     args = p.parse_args(argv)
@@ -244,13 +274,21 @@ def main(argv=None) -> None:
     data = (ft_train.with_format("torch"), ft_eval.with_format("torch"), vocab)
     rows = []
     for seed in args.seeds:
-        for name, (fw, bw) in settings().items():
+        for name, (fw, bw, tie) in settings().items():
             if args.only and name not in args.only:
                 continue
-            rows.append(finetune(name, fw, bw, weights, data, args, seed))
+            rows.append(finetune(name, fw, bw, tie, weights, data, args, seed))
     meta = {"args": vars(args), "torch": torch.__version__, "python": platform.python_version(),
             "machine": platform.machine(), "threads": torch.get_num_threads(),
             "train_blocks": len(ft_train), "eval_blocks": len(ft_eval)}
+    if args.merge and os.path.exists(os.path.join(RESULTS, "finetune_quality.json")):
+        with open(os.path.join(RESULTS, "finetune_quality.json")) as f:
+            saved = json.load(f)
+        again = {(r["setting"], r["seed"]) for r in rows}
+        rows = [r for r in saved["rows"] if (r["setting"], r["seed"]) not in again] + rows
+        meta["merged_with"] = saved["meta"]
+    order = list(settings())
+    rows.sort(key=lambda r: (r["seed"], order.index(r["setting"]) if r["setting"] in order else len(order)))
     write_outputs(rows, summarise(rows), meta)
 
 

@@ -98,6 +98,7 @@ def collapse(r: dict) -> dict:
     r.update(seconds_per_step=median(seconds), seconds_min=min(seconds), seconds_max=max(seconds),
              steps=mid["steps"], bytes_per_step=mid["bytes_per_step"], byte_ratio=mid["byte_ratio"],
              categories=mid["categories"], waiting_fraction=mid["waiting_fraction"],
+             rank_bytes_per_step=mid.get("rank_bytes_per_step"),
              other_cpu_share=max(x["other_cpu_share"] for x in rounds),
              attempts=[x.get("attempts", 1) for x in rounds],
              counted_bytes_window=sum(x["counted_bytes_window"] for x in rounds))
@@ -149,6 +150,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                                          if r["allowed_speedup"] > 1.01 else None)
                 r["link_fraction"] = max(t_base - t_loop_base, 0.0) / t_base
                 r["uncompressed_waiting_fraction"] = max(base["waiting_fraction"].values())
+            overlap_bound(r, loopback.get(name))
             link = r.get("link_tx_bytes_window")
             r["link_over_counted"] = link / r["counted_bytes_window"] if link else None
             if link:
@@ -168,6 +170,27 @@ def summarize(rows: list[dict]) -> list[dict]:
                 r["tied_over_untied"], r["tied_over_untied_min"], r["tied_over_untied_max"] = ratio_spread(
                     seconds(r), seconds(untied[name]))
     return rows
+
+
+def link_mbit(link: str) -> float | None:
+    """The rate of a link label such as `20 Mbit/s` (None for loopback)."""
+    return float(link.split()[0]) if link.endswith("Mbit/s") else None
+
+
+def overlap_bound(r: dict, loopback: dict | None) -> None:
+    """Where the step's time goes, against what overlap allows: compute (the same method's step
+    on loopback), link (the busier direction's bytes at the link rate: the two directions of a
+    full-duplex link run in parallel), and the measured step over max(compute, link). With
+    perfect overlap that ratio is 1; without any it approaches (compute + link) / max(...)."""
+    mbit = link_mbit(r["link"])
+    if mbit is None or loopback is None or not r.get("rank_bytes_per_step"):
+        return
+    r["compute_seconds"] = loopback["seconds_per_step"]
+    r["link_seconds"] = max(r["rank_bytes_per_step"]) * 8 / (mbit * 1e6)
+    bound = max(r["compute_seconds"], r["link_seconds"])
+    r["regime"] = "link-bound" if r["link_seconds"] > r["compute_seconds"] else "compute-bound"
+    r["measured_over_bound"] = r["seconds_per_step"] / bound
+    r["serial_over_bound"] = (r["compute_seconds"] + r["link_seconds"]) / bound
 
 
 def convergence_losses() -> dict[str, float]:
@@ -257,6 +280,23 @@ def write(rows: list[dict], args) -> None:
             f"{spread(r, 'speedup_vs_uncompressed')} | {_f(r.get('allowed_speedup'), '.2f', 'x')} | "
             f"{_f(r.get('share_of_allowed') and 100 * r['share_of_allowed'], '.0f', '%')} | {wait} | "
             f"{_f(loss, '.3f')}{learns} |")
+
+    bounded = [r for r in rows if r.get("measured_over_bound") is not None]
+    if bounded:
+        lines += table(
+            "Where the time goes, per step (median round). Compute: the same model and method on loopback "
+            "(computing, encoding, and the pipeline's bubbles). Link: the bytes of the busier direction at the "
+            "link's rate (the veth pair is full duplex; TCP/IP headers not included). A step cannot be shorter "
+            "than max(compute, link); without overlap it would be about compute + link. Regime: which of the "
+            "two is larger. Waiting: each stage's share of its step spent blocked on its peer.",
+            ["link", "model", "method", "regime", "compute s", "link s", "measured s/step",
+             "measured / max(compute, link)", "no overlap would be", "waiting stage 0 / 1"])
+        for r in bounded:
+            wait = r.get("waiting_fraction") or {}
+            waits = " / ".join(f"{100 * wait[k]:.0f}%" for k in sorted(wait)) if wait else ""
+            lines.append(f"| {r['link']} | {r['model']} | {r['method']} | {r['regime']} | "
+                         f"{r['compute_seconds']:.3f} | {r['link_seconds']:.3f} | {r['seconds_per_step']:.3f} | "
+                         f"{r['measured_over_bound']:.2f}x | {r['serial_over_bound']:.2f}x | {waits} |")
 
     tied_rows = [r for r in rows if r.get("tied_over_untied") is not None]
     if tied_rows:

@@ -111,13 +111,15 @@ def run_ours(name, spec, args) -> dict:
     steps = steps_of(spec, args)
     seconds, window = measure(step, steps, args, reset=pipe.reset_stats)
     stats = pipe.stats(gather=True)
+    rank_bytes: list = [None] * dist.get_world_size()  # what each rank put on its direction of the link
+    dist.all_gather_object(rank_bytes, pipe.stats()["bytes_sent"] / steps)
     waiting = {s: t["seconds_waiting"] / t["seconds_step"] for s, t in stats["stages"].items()}
     categories = {k: dict(bytes_sent_per_step=c["bytes_sent"] / steps,
                           bytes_uncompressed_per_step=c["bytes_uncompressed"] / steps)
                   for k, c in stats["categories"].items()}
     return dict(seconds_per_step=seconds, steps=steps, bytes_per_step=stats["bytes_sent"] / steps,
                 byte_ratio=stats["compression_ratio"], categories=categories, waiting_fraction=waiting,
-                counted_bytes_window=stats["bytes_sent"], **window)
+                rank_bytes_per_step=rank_bytes, counted_bytes_window=stats["bytes_sent"], **window)
 
 
 def build_peer(model, micro_batches: int, tied: bool):
@@ -174,8 +176,10 @@ def run_peer(name, spec, args) -> dict:
         categories["tie"] = 2 * tied.numel() * 4
     total = sum(categories.values())
     categories = {k: dict(bytes_sent_per_step=v, bytes_uncompressed_per_step=v) for k, v in categories.items()}
+    each = total / 2  # activations one way, their gradients the other; the tie all-reduce halves
     return dict(seconds_per_step=seconds, steps=steps, bytes_per_step=total, byte_ratio=1.0,
-                categories=categories, waiting_fraction=None, counted_bytes_window=total * steps, **window)
+                categories=categories, waiting_fraction=None, rank_bytes_per_step=[each, each],
+                counted_bytes_window=total * steps, **window)
 
 
 def steps_of(spec: dict, args) -> int:

@@ -82,12 +82,44 @@ def summarize(rows: list[dict], args) -> tuple[float, list[dict]]:
                  epochs=mine[0]["epochs"], final_eval_loss=median([r["final_eval_loss"] for r in mine]),
                  bytes_per_step=median([r["bytes_per_step"] for r in mine]),
                  byte_ratio=median([r["byte_ratio"] for r in mine]),
+                 steady_state=median_round(mine)["steady_state"] if "steady_state" in mine[0] else None,
                  other_cpu_share=max(r["other_cpu_share"] for r in mine))
         s["speedup_vs_peer"] = s["speedup_vs_peer_min"] = s["speedup_vs_peer_max"] = None
         if done and peer and all(t is not None for t in peer):
             s["speedup_vs_peer"], s["speedup_vs_peer_min"], s["speedup_vs_peer_max"] = ratio_spread(peer, times)
         summary.append(s)
     return target, summary
+
+
+def median_round(mine: list[dict]) -> dict:
+    """The round with the median training time."""
+    return sorted(mine, key=lambda r: r["train_seconds"])[(len(mine) - 1) // 2]
+
+
+CATEGORIES = ("activations", "activation_gradients", "tie", "collectives")
+
+
+def time_table(summary: list[dict]) -> list[str]:
+    """Where a steady-state step's time goes (median round, epochs 2 on): each stage's seconds
+    computing (including encoding) and waiting on its peer, and the bytes by category."""
+    rows = [s for s in summary if s.get("steady_state")]
+    if not rows:
+        return []
+    lines = ["", "Where the time goes in the steady state (from the second epoch on, AQ-SGD's memory full; median "
+             "round by training time): seconds per step of each stage computing (forward, backward, encoding, "
+             "decoding) and waiting on its peer, and MB sent per step by category over both ranks (the peer's are "
+             "the tensor sizes: fp32 activations, their gradients, and the all-reduce of the tied weight).", "",
+             "| method | s/step | stage 0 compute / wait | stage 1 compute / wait | "
+             + " | ".join(f"{c.replace('_', ' ')} MB" for c in CATEGORIES) + " | MB/step | byte ratio |",
+             "|---|---|---|---|" + "---|" * len(CATEGORIES) + "---|---|"]
+    for s in rows:
+        st = s["steady_state"]
+        stages = [st["stages"][k] for k in sorted(st["stages"])]
+        parts = " | ".join(f"{t['seconds_computing']:.3f} / {t['seconds_waiting']:.3f}" for t in stages)
+        mb = " | ".join(f"{st['categories'].get(c, {}).get('bytes_sent', 0) / 1e6:.3f}" for c in CATEGORIES)
+        lines.append(f"| {s['method']} | {max(t['seconds_step'] for t in stages):.3f} | {parts} | {mb} | "
+                     f"{st['bytes_per_step'] / 1e6:.3f} | {st['byte_ratio']:.1f}x |")
+    return lines
 
 
 def write(rows: list[dict], meta: dict) -> None:
@@ -121,6 +153,7 @@ def write(rows: list[dict], meta: dict) -> None:
         lines.append(f"| {s['method']} | {seconds} | {steps} | {speedup} | {s['seconds_per_step']:.3f} | "
                      f"{s['bytes_per_step'] / 1e6:.3f} | {s['byte_ratio']:.1f}x | {s['final_eval_loss']:.4f} "
                      f"({s['epochs']}) | {100 * s['other_cpu_share']:.0f}% |")
+    lines += time_table(summary)
     with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -38,7 +38,9 @@ PEER = "torch.distributed.pipelining"
 BASE = "ours, uncompressed"
 q = lambda b: Compression("quantize", bits=b)  # noqa: E731
 h = lambda b: Compression("hadamard", bits=b)  # noqa: E731
-METHODS: dict[str, tuple[Compression, Compression] | None] = {
+warm = lambda b: Compression("aqsgd", bits=b, first_visit=h(4))  # noqa: E731
+# (forward, backward[, tie_compression]) per method; the tie is exact where not given.
+METHODS: dict[str, tuple | None] = {
     PEER: None,
     BASE: (Compression("none"), Compression("none")),
     "ours, AQ-SGD fw4/bw8": (Compression("aqsgd", bits=4), q(8)),
@@ -46,6 +48,10 @@ METHODS: dict[str, tuple[Compression, Compression] | None] = {
     "ours, TopK 10%": (Compression("topk", ratio=0.1), q(8)),
     "ours, Hadamard fw4/bw8": (h(4), h(8)),
     "ours, Hadamard fw3/bw6": (h(3), h(6)),
+    # Compressed warm-up (first visits Hadamard-4) and 8-bit tied-embedding rows.
+    "ours, AQ-SGD fw4/bw8, warm-up h4, tie q8": (warm(4), q(8), q(8)),
+    "ours, AQ-SGD fw2/bw4, warm-up h4, tie q8": (warm(2), q(4), q(8)),
+    "ours, Hadamard fw4/bw8, tie q8": (h(4), h(8), q(8)),
 }
 UNCOMPRESSED = (PEER, BASE)
 
@@ -139,9 +145,9 @@ def run(name: str, data, args) -> dict:
         module, peer_step, _ = build_peer(model, args.micro_batches, tied=True)
         params, state = module.parameters(), module.state_dict
     else:
-        forward, backward = METHODS[name]
+        forward, backward, *tie = METHODS[name]
         plan = Plan(num_stages=2, micro_batches=args.micro_batches, split_points=[2], schedule="1f1b",
-                    forward=forward, backward=backward,
+                    forward=forward, backward=backward, tie_compression=tie[0] if tie else None,
                     memory=MemoryConfig(num_samples=len(Rows(train)), store="host", dtype="fp16"))
         pipe = hf_actcomp.prepare(model, plan, timeout=600, track_error=False)
         params, state = pipe.parameters(), pipe.stage.state_dict
@@ -153,8 +159,13 @@ def run(name: str, data, args) -> dict:
     curve = [dict(seconds=0.0, step=0, eval_loss=evaluate(state()))]
     clock, step = Clock(), 0
     epochs = args.epochs if name in UNCOMPRESSED else args.max_epochs
+    after_first_epoch = None
     clock.start()
-    for _ in range(epochs):
+    for epoch in range(epochs):
+        if epoch == 1 and name != PEER:  # AQ-SGD's memory is full from here on: the steady state
+            clock.stop()
+            after_first_epoch = (step, pipe.stats(gather=True))
+            clock.start()
         for batch in loader:
             if name == PEER:
                 peer_step(batch)
@@ -174,10 +185,31 @@ def run(name: str, data, args) -> dict:
         traffic = dict(bytes_per_step=sent, byte_ratio=1.0)
     else:
         stats = pipe.stats(gather=True)
-        traffic = dict(bytes_per_step=stats["bytes_sent"] / step, byte_ratio=stats["compression_ratio"])
+        traffic = dict(bytes_per_step=stats["bytes_sent"] / step, byte_ratio=stats["compression_ratio"],
+                       steady_state=steady_state(stats, *after_first_epoch, step))
     return dict(method=name, steps=step, epochs=epochs, train_seconds=clock.seconds, curve=curve,
                 final_eval_loss=curve[-1]["eval_loss"],
                 other_cpu_share=clock.other_cpu_share(), **traffic)
+
+
+def steady_state(end: dict, start_step: int, start: dict, end_step: int) -> dict:
+    """Per step from the second epoch on (AQ-SGD's memory full): bytes sent and uncompressed by
+    category, the byte ratio, and each stage's seconds computing and waiting on its peer."""
+    steps = end_step - start_step
+    categories = {}
+    for name, c in end["categories"].items():
+        before = start["categories"].get(name, {"bytes_sent": 0, "bytes_uncompressed": 0})
+        categories[name] = {k: (c[k] - before[k]) / steps for k in ("bytes_sent", "bytes_uncompressed")}
+    sent = sum(c["bytes_sent"] for c in categories.values())
+    raw = sum(c["bytes_uncompressed"] for c in categories.values())
+    stages = {}
+    for stage, t in end["stages"].items():
+        t0 = start["stages"][stage]
+        step_s = (t["seconds_step"] - t0["seconds_step"]) / steps
+        wait_s = (t["seconds_waiting"] - t0["seconds_waiting"]) / steps
+        stages[str(stage)] = {"seconds_step": step_s, "seconds_waiting": wait_s, "seconds_computing": step_s - wait_s}
+    return dict(steps=steps, bytes_per_step=sent, byte_ratio=raw / sent if sent else 1.0, categories=categories,
+                stages=stages)
 
 
 def main() -> None:

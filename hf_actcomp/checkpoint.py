@@ -32,7 +32,8 @@ DEFAULT_MAX_SHARD_SIZE = "2GB"
 
 def _plan_fingerprint(plan_dict: dict[str, Any]) -> dict[str, Any]:
     """The plan fields that decide the shape and meaning of the saved state."""
-    keep = ("num_stages", "split_points", "forward", "backward", "data_parallel", "dp_compression", "dp_hook")
+    keep = ("num_stages", "split_points", "forward", "backward", "data_parallel", "dp_compression", "dp_hook",
+            "tie_compression")
     fingerprint = {k: plan_dict.get(k) for k in keep}
     memory = plan_dict.get("memory") or {}
     fingerprint["memory"] = {k: memory.get(k) for k in ("dtype", "num_samples")}

@@ -19,11 +19,10 @@ import torch
 from safetensors import safe_open
 
 from . import hub
-from .codecs import make_codec
-from .feedback import build_codec
+from .feedback import build_codec, build_first_visit_codec
 from .memory import MemoryStore
 from .pipeline.checkpointing import COMPRESSION_STATE_DIR
-from .plan import CONFIG_NAME, MemoryConfig, Plan
+from .plan import CONFIG_NAME, Compression, MemoryConfig, Plan
 
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -83,6 +82,7 @@ def inspect_command(args: argparse.Namespace) -> int:
     directory = args.directory
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{directory} is not a directory.")
+    plan = None
     if os.path.isfile(os.path.join(directory, CONFIG_NAME)):
         plan = Plan.from_pretrained(directory)
         print(f"plan ({CONFIG_NAME}):")
@@ -105,6 +105,10 @@ def inspect_command(args: argparse.Namespace) -> int:
         for name, c in sorted((stats.get("channels") or {}).items()):
             print(f"  {name}: {c['bytes_sent']:,} bytes ({c['compression_ratio']:.2f}x), "
                   f"relative error {c['relative_error']:.4f}")
+        tie = (stats.get("categories") or {}).get("tie") or {}
+        if tie.get("bytes_sent"):
+            codec = plan.tie_compression.describe() if plan is not None and plan.tie_compression else "exact"
+            print(f"  tied embedding rows ({codec}): {tie['bytes_sent']:,} bytes ({tie['compression_ratio']:.2f}x)")
     card_path = os.path.join(directory, hub.CARD_NAME)
     if os.path.isfile(card_path):
         from huggingface_hub import ModelCard
@@ -137,7 +141,7 @@ def describe_rank_state(meta_path: str) -> list[str]:
                 if name.endswith("memory.seen"):
                     seen = f.get_tensor(name)
                     line += f", AQ-SGD memory {int(seen.sum())}/{seen.numel()} samples filled ({seen.float().mean():.0%})"
-                elif re.search(r"\.(error|estimate)\.\d+$", name):
+                elif re.search(r"\.(error|estimate)\.\d+$", name) or name == "tie.error":
                     line += f", norm {f.get_tensor(name).float().norm():.4g}"
                 lines.append(line)
     return lines
@@ -182,6 +186,17 @@ def load_plan_file(path: str) -> Plan:
     return Plan.from_file(path)
 
 
+def first_visit_label(compression: Compression) -> str:
+    """How AQ-SGD sends a sample's first visit, for the estimate: uncompressed, with the inner
+    codec (`direct`) or with the warm-up codec."""
+    first_visit = compression.first_visit
+    if isinstance(first_visit, Compression):
+        return f"warm-up {first_visit.describe()}"
+    if first_visit == "full":
+        return "first visits uncompressed"
+    return f"first visits {compression.describe().removeprefix('aqsgd-')} (direct)"
+
+
 def estimate(config, plan: Plan, batch_size: int, seq_len: int, link_bits_per_second: float,
              dtype: torch.dtype = torch.float32, num_samples: int | None = None,
              compute_seconds: float | None = None) -> dict:
@@ -197,9 +212,8 @@ def estimate(config, plan: Plan, batch_size: int, seq_len: int, link_bits_per_se
         return sum(codec.payload_nbytes((r, seq_len, hidden), dtype) for r in rows)
 
     forward = step_bytes(build_codec(plan.forward))  # AQ-SGD: its inner codec on deltas (revisits)
-    first_epoch = forward
-    if plan.forward.method == "aqsgd" and plan.forward.first_visit == "full":
-        first_epoch = step_bytes(make_codec("none"))
+    # AQ-SGD's first epoch: every sample once, with the first-visit codec (none, inner or warm-up).
+    first_epoch = step_bytes(build_first_visit_codec(plan.forward)) if plan.forward.method == "aqsgd" else forward
     backward = step_bytes(build_codec(plan.backward))
     boundaries = []
     for b in range(plan.num_stages - 1):
@@ -214,6 +228,7 @@ def estimate(config, plan: Plan, batch_size: int, seq_len: int, link_bits_per_se
                                  "the plan or pass --num-samples.")
             memory = MemoryConfig(store=plan.memory.store, dtype=plan.memory.dtype, num_samples=samples)
             entry["first_epoch_forward_bytes"] = first_epoch
+            entry["first_visit"] = first_visit_label(plan.forward)
             entry["aqsgd_memory_bytes"] = MemoryStore(samples, memory).nbytes_for((seq_len, hidden))
             entry["aqsgd_memory_store"] = f"{plan.memory.store} of stage {b + 1}"
         boundaries.append(entry)
@@ -223,8 +238,16 @@ def estimate(config, plan: Plan, batch_size: int, seq_len: int, link_bits_per_se
            "link_bits_per_second": link_bits_per_second, "boundaries": boundaries,
            "link_seconds_per_step": total, "link_seconds_per_step_uncompressed": total_raw}
     if getattr(config, "tie_word_embeddings", False) and plan.num_stages > 1:
-        # Rows of the batch's distinct tokens, values one way and gradients back (at most every token).
-        out["tied_embedding_bytes_at_most"] = 2 * batch_size * seq_len * hidden * 4
+        # Rows of the batch's distinct tokens (at most every token, at most the vocabulary), values
+        # one way and gradients back: fp32 weights, exact or through the plan's tie codec.
+        count = min(batch_size * seq_len, getattr(config, "vocab_size", None) or batch_size * seq_len)
+        exact = 2 * count * hidden * 4
+        out["tied_embedding_bytes_at_most"] = exact
+        if plan.tie_compression is not None:
+            tie = build_codec(plan.tie_compression).payload_nbytes((count, hidden), torch.float32)
+            out["tied_embedding_bytes_at_most"] = 2 * tie
+            out["tied_embedding_bytes_at_most_uncompressed"] = exact
+            out["tie_compression"] = plan.tie_compression.describe()
     if compute_seconds is not None:
         out["step_seconds"] = compute_seconds + total
         out["step_seconds_uncompressed"] = compute_seconds + total_raw
@@ -247,13 +270,18 @@ def estimate_command(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|")
     for e in result["boundaries"]:
         memory = (f"{_size(e['aqsgd_memory_bytes'])} ({e['aqsgd_memory_store']})" if "aqsgd_memory_bytes" in e else "")
-        first = (f" (first epoch {_size(e['first_epoch_forward_bytes'])})" if "first_epoch_forward_bytes" in e else "")
+        first = (f" (first epoch {_size(e['first_epoch_forward_bytes'])}, {e['first_visit']})"
+                 if "first_epoch_forward_bytes" in e else "")
         print(f"| {e['boundary']} | forward | {_size(e['forward_bytes'])}{first} | {e['forward_ratio']:.2f}x | {memory} |")
         print(f"| {e['boundary']} | backward | {_size(e['backward_bytes'])} | {e['backward_ratio']:.2f}x | |")
     print(f"link time per step: {result['link_seconds_per_step']:.3f} s "
           f"(uncompressed {result['link_seconds_per_step_uncompressed']:.3f} s; both directions, all boundaries)")
-    if "tied_embedding_bytes_at_most" in result:
-        print(f"tied embedding rows: at most {_size(result['tied_embedding_bytes_at_most'])} per step (fp32)")
+    if "tie_compression" in result:
+        print(f"tied embedding rows: at most {_size(result['tied_embedding_bytes_at_most'])} per step "
+              f"({result['tie_compression']}: rows as deltas, gradient rows with error feedback; exact fp32 "
+              f"{_size(result['tied_embedding_bytes_at_most_uncompressed'])})")
+    elif "tied_embedding_bytes_at_most" in result:
+        print(f"tied embedding rows: at most {_size(result['tied_embedding_bytes_at_most'])} per step (fp32, exact)")
     if "expected_speedup" in result:
         print(f"expected step time: {result['step_seconds']:.3f} s vs {result['step_seconds_uncompressed']:.3f} s "
               f"uncompressed: {result['expected_speedup']:.2f}x (no overlap of communication and compute assumed)")

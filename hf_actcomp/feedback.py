@@ -29,6 +29,15 @@ def build_codec(compression: Compression) -> Codec:
     return make_codec(compression.codec_name, **compression.codec_params())
 
 
+def build_first_visit_codec(compression: Compression) -> Codec:
+    """The codec AQ-SGD sends a sample with the first time it is seen: none (`first_visit="full"`),
+    its inner codec (`"direct"`), or the stateless warm-up codec `first_visit` names."""
+    first_visit = compression.first_visit
+    if isinstance(first_visit, Compression):
+        return build_codec(first_visit)
+    return make_codec("none") if first_visit == "full" else build_codec(compression)
+
+
 def build_inference_codec(compression: Compression) -> Codec:
     """The stateless codec used where no training state exists (evaluation, generation).
 
@@ -107,7 +116,8 @@ class AQSGDReceiver(Receiver):
     def __init__(self, compression: Compression, memory: MemoryConfig, name: str,
                  sample_range: range | None = None) -> None:
         super().__init__(build_codec(compression))
-        self.first_codec = make_codec("none") if compression.first_visit == "full" else build_codec(compression)
+        # Its decoded value becomes the memory entry (see `decode`), which later deltas correct.
+        self.first_codec = build_first_visit_codec(compression)
         # A data-parallel replica keeps rows for its shard's ids only; row = id - shard start.
         self.sample_range = sample_range
         rows = len(sample_range) if sample_range is not None else memory.num_samples
@@ -155,11 +165,13 @@ class AQSGDReceiver(Receiver):
 
     def state_dict(self):
         state = super().state_dict()
+        state.update(_codec_state("first_codec", self.first_codec))
         state.update({f"memory.{k}": v for k, v in self.memory.state_dict().items()})
         return state
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
+        _load_codec_state("first_codec", self.first_codec, state)
         self.memory.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("memory.")})
 
 
@@ -237,9 +249,18 @@ class EF21Sender(Sender):
 
 
 class AQSGDSender(Sender):
-    """AQ-SGD sender: new samples go out with the first-visit encoding, seen ones as Q(a - m)."""
+    """AQ-SGD sender: new samples go out with the first-visit encoding, seen ones as Q(a - m).
+
+    `first_codec` encodes first visits; it is the sender's own object, apart from the mirror's
+    (which decodes), as `codec` is: a codec whose decode draws from its stream (random-k) would
+    otherwise advance the shared counter twice per payload and fall out of step with the receiver.
+    """
 
     mirror: AQSGDReceiver
+
+    def __init__(self, codec: Codec, mirror: AQSGDReceiver, first_codec: Codec) -> None:
+        super().__init__(codec, mirror)
+        self.first_codec = first_codec
 
     def encode(self, x, *, sample_ids=None, slot=0):
         mirror = self.mirror
@@ -247,7 +268,7 @@ class AQSGDSender(Sender):
         parts = []
         x = x.detach()
         if new.numel():
-            parts.append(mirror.first_codec.encode(x.index_select(0, new.to(x.device))))
+            parts.append(self.first_codec.encode(x.index_select(0, new.to(x.device))))
         if seen.numel():
             m = mirror.memory.read(ids[seen], x.device, torch.float32)
             delta = x.index_select(0, seen.to(x.device)).float() - m
@@ -255,6 +276,15 @@ class AQSGDSender(Sender):
         payload = torch.cat(parts) if len(parts) > 1 else parts[0]
         self._replay(payload, x, sample_ids, slot)  # the ids, not the memory rows: the mirror maps them again
         return payload
+
+    def state_dict(self):
+        state = super().state_dict()
+        state.update(_codec_state("first_codec", self.first_codec))
+        return state
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        _load_codec_state("first_codec", self.first_codec, state)
 
 
 # ---------------------------------------------------------------------------------- factory
@@ -279,7 +309,8 @@ def build_sender(compression: Compression, memory: MemoryConfig | None = None, n
     if compression.method == "aqsgd":
         if memory is None:
             raise ValueError("AQ-SGD needs a MemoryConfig.")
-        return AQSGDSender(codec, AQSGDReceiver(compression, memory, name=f"{name}.sender", sample_range=sample_range))
+        mirror = AQSGDReceiver(compression, memory, name=f"{name}.sender", sample_range=sample_range)
+        return AQSGDSender(codec, mirror, build_first_visit_codec(compression))
     if compression.feedback == "ef21":
         return EF21Sender(codec, EF21Receiver(build_codec(compression)))
     if compression.feedback == "ef":

@@ -24,7 +24,7 @@ from typing import Any
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from huggingface_hub import constants as hub_constants
 
-from .plan import CONFIG_NAME, Plan
+from .plan import CONFIG_NAME, Compression, Plan
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +251,8 @@ def _is_repo_id(name: str | None) -> bool:
 def _methods(plan: Plan) -> list[str]:
     methods = []
     for c in (plan.forward, plan.backward):
-        for m in (c.method, c.codec_name, c.feedback):
+        warm_up = c.first_visit.codec_name if c.method == "aqsgd" and isinstance(c.first_visit, Compression) else "none"
+        for m in (c.method, c.codec_name, c.feedback, warm_up):
             if m not in ("none", *methods):
                 methods.append(m)
     if plan.data_parallel > 1:
@@ -302,6 +303,9 @@ def _plan_table(plan: Plan, blocks: list | None) -> str:
     if plan.data_parallel > 1:
         hook, params = plan.dp_hook()
         rows.append(("data parallel", f"{plan.data_parallel} replicas, gradients by `{hook}` {params or ''}".strip()))
+    if plan.tie_compression is not None:
+        rows.append(("tied embedding rows", f"`{plan.tie_compression.describe()}` (rows as deltas, gradient rows "
+                                            "with error feedback)"))
     return _table(("setting", "value"), rows)
 
 

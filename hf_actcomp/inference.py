@@ -4,6 +4,10 @@ Forward hooks on the last block of each stage replace that block's output with i
 decoded version, so everything the model does still works, including `generate()` with the KV
 cache (each new token's activation is compressed as a pipeline would send it). Removing the
 hooks gives the original model back unchanged.
+
+`Plan.tie_compression` plays no part here: it is how a training pipeline keeps the first stage's
+copy of a tied embedding in step with the owner's weight, while the unsplit model reads its one
+tied weight exactly.
 """
 
 from __future__ import annotations

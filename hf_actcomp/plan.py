@@ -27,6 +27,10 @@ ROUNDINGS = ("deterministic", "stochastic")
 VALUE_DTYPES = ("fp16", "bf16", "fp32")
 AQSGD_INNER = ("quantize", "topk")
 FIRST_VISIT = ("full", "direct")
+# Methods a compressed AQ-SGD warm-up (`first_visit=Compression(...)`) may use: the stateless ones.
+FIRST_VISIT_METHODS = tuple(m for m in COMPRESSION_METHODS if m != "aqsgd")
+# Methods `Plan.tie_compression` may use: the stateless ones (the tie keeps its own delta state).
+TIE_METHODS = tuple(m for m in COMPRESSION_METHODS if m != "aqsgd")
 INFERENCE_FALLBACK = ("direct", "none")
 SCHEDULES = ("gpipe", "1f1b")
 MEMORY_STORES = ("device", "host", "mmap")
@@ -60,7 +64,10 @@ class Compression:
         feedback: `none`, `ef` (error feedback) or `ef21`; not combinable with `aqsgd`.
         inner: the codec AQ-SGD applies to deltas: `quantize` or `topk`.
         first_visit: what AQ-SGD sends the first time a sample is seen: `full` (uncompressed, as
-            the reference code's warm-up epoch) or `direct` (the inner codec on the activation).
+            the reference code's warm-up epoch), `direct` (the inner codec on the activation), or a
+            stateless `Compression` (a compressed warm-up, e.g. `Compression("hadamard", bits=4)`:
+            its decoded value becomes the sample's memory entry, which later deltas correct). A
+            dict (from JSON or YAML) is read as a `Compression`.
         inference: what `aqsgd` becomes at inference, where there is no memory: `direct` (the
             inner codec on the activation) or `none`.
         seed: seed of stochastic rounding and random-k index streams (shared by both sides).
@@ -75,7 +82,7 @@ class Compression:
     value_dtype: str = "fp16"
     feedback: str = "none"
     inner: str = "quantize"
-    first_visit: str = "full"
+    first_visit: str | Compression = "full"
     inference: str = "direct"
     seed: int = 0
 
@@ -87,7 +94,7 @@ class Compression:
         _check_choice(owner, "rounding", self.rounding, ROUNDINGS)
         _check_choice(owner, "value_dtype", self.value_dtype, VALUE_DTYPES)
         _check_choice(owner, "inner", self.inner, AQSGD_INNER)
-        _check_choice(owner, "first_visit", self.first_visit, FIRST_VISIT)
+        self.first_visit = _check_first_visit(self.first_visit)
         _check_choice(owner, "inference", self.inference, INFERENCE_FALLBACK)
         if not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"Compression.group_size={self.group_size!r} must be a positive integer.")
@@ -132,7 +139,8 @@ class Compression:
         return {}
 
     def describe(self) -> str:
-        """Short label such as `aqsgd-quantize4` or `topk0.1+ef`, for tables and logs."""
+        """Short label such as `aqsgd-quantize4`, `topk0.1+ef` or, with a compressed warm-up,
+        `aqsgd-quantize2 (warm-up hadamard4)`, for tables and logs."""
         name = self.codec_name
         label = name
         if name in ("quantize", "hadamard"):
@@ -141,9 +149,40 @@ class Compression:
             label = f"{name}{self.ratio:g}"
         if self.method == "aqsgd":
             label = f"aqsgd-{label}"
+            if isinstance(self.first_visit, Compression):
+                label += f" (warm-up {self.first_visit.describe()})"
         if self.feedback != "none":
             label += f"+{self.feedback}"
         return label
+
+
+def _check_first_visit(value: Any) -> str | Compression:
+    """`Compression.first_visit`: `full`, `direct`, or a stateless `Compression` (a dict is read
+    as one, warning about keys a newer version may have added)."""
+    owner = "Compression.first_visit"
+    if isinstance(value, dict):
+        try:
+            value = Compression(**_known_fields(Compression, value, owner))
+        except ValueError as err:
+            raise ValueError(f"{owner}: {err}") from err
+    if isinstance(value, Compression):
+        if value.method == "aqsgd":
+            raise ValueError(
+                f"{owner}.method={value.method!r} is not valid: the warm-up codec must be stateless. "
+                f"Allowed values: {', '.join(FIRST_VISIT_METHODS)}."
+            )
+        if value.feedback != "none":
+            raise ValueError(
+                f"{owner}.feedback={value.feedback!r} is not valid: the warm-up codec must be stateless. "
+                "Allowed values: none."
+            )
+        return value
+    if isinstance(value, str) and value in FIRST_VISIT:
+        return value
+    raise ValueError(
+        f"{owner}={value!r} is not valid. Allowed values: {', '.join(FIRST_VISIT)}, or a stateless "
+        f"Compression (method: {', '.join(FIRST_VISIT_METHODS)}; feedback: none)."
+    )
 
 
 @dataclass
@@ -196,6 +235,12 @@ class Plan:
             copies with `dp_compression`.
         dp_compression: the data-parallel hook: a name from `hf_actcomp.dp.available_hooks()`,
             or a dict with `method` and the hook's parameters, e.g. `{"method": "topk", "ratio": 0.01}`.
+        tie_compression: how the rows of an embedding tied to the LM head (GPT-2, OPT) travel
+            between the first and the last stage, e.g. `Compression("quantize", bits=8)`. None
+            (default): exact, in the weight's dtype. Otherwise rows go as deltas against a mirror
+            of the first stage's copy (corrected by the next step's delta) and gradient rows
+            with error feedback, through any stateless codec (not `aqsgd`; `feedback` is not used).
+            Applies to `prepare()` and `simulate()`; no effect without a tie across stages.
     """
 
     num_stages: int = 2
@@ -207,6 +252,7 @@ class Plan:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     data_parallel: int = 1
     dp_compression: str | dict[str, Any] = "allreduce"
+    tie_compression: Compression | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.forward, dict):
@@ -215,6 +261,8 @@ class Plan:
             self.backward = Compression(**self.backward)
         if isinstance(self.memory, dict):
             self.memory = MemoryConfig(**self.memory)
+        if isinstance(self.tie_compression, dict):
+            self.tie_compression = Compression(**self.tie_compression)
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"Plan.num_stages={self.num_stages!r} must be an integer >= 1.")
         if self.micro_batches is None:
@@ -248,6 +296,7 @@ class Plan:
                 "Plan.backward.method='aqsgd' is not supported: AQ-SGD compresses activations; "
                 "gradients are quantized directly. Use method='quantize' for backward."
             )
+        _check_tie_compression(self.tie_compression)
 
     def check_memory(self) -> None:
         """Fail before training when AQ-SGD's memory size is unknown (`ActCompTrainer` fills it
@@ -310,7 +359,8 @@ class Plan:
                 "unknown fields are ignored.", version, FORMAT_VERSION,
             )
         kwargs = _known_fields(cls, data, "Plan")
-        for key, sub in (("forward", Compression), ("backward", Compression), ("memory", MemoryConfig)):
+        for key, sub in (("forward", Compression), ("backward", Compression), ("memory", MemoryConfig),
+                         ("tie_compression", Compression)):
             if isinstance(kwargs.get(key), dict):
                 kwargs[key] = sub(**_known_fields(sub, kwargs[key], f"Plan.{key}"))
         return cls(**kwargs)
@@ -371,6 +421,26 @@ class Plan:
                     f"has no such file ({type(err).__name__})."
                 ) from err
         return cls.from_json_string(open(path, encoding="utf-8").read())
+
+
+def _check_tie_compression(value: Any) -> None:
+    """`Plan.tie_compression`: None or a stateless `Compression` (the tie keeps its own delta and
+    error-feedback state)."""
+    if value is None:
+        return
+    if not isinstance(value, Compression):
+        raise ValueError(f"Plan.tie_compression={value!r} must be None, a Compression or a dict.")
+    if value.method == "aqsgd":
+        raise ValueError(
+            "Plan.tie_compression.method='aqsgd' is not valid: the tie sends rows as deltas against its own "
+            "mirror of the first stage's copy, through a stateless codec. "
+            f"Allowed values: {', '.join(TIE_METHODS)}."
+        )
+    if value.feedback == "ef21":
+        raise ValueError(
+            "Plan.tie_compression.feedback='ef21' is not valid: gradient rows always use error feedback and rows "
+            "go as deltas, whatever feedback says. Allowed values: none, ef."
+        )
 
 
 def _known_fields(cls: type, data: dict[str, Any], owner: str) -> dict[str, Any]:

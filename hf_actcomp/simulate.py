@@ -6,6 +6,12 @@ stages and micro-batches, and passes every activation crossing a stage boundary 
 plan's forward compression and every activation gradient through the backward compression,
 with the same sender/receiver objects (error feedback, AQ-SGD memory) as the distributed
 pipeline. With the identity codec it is exact.
+
+A tied embedding is the model's own shared tensor here, so an exact tie costs nothing to emulate.
+With `Plan.tie_compression` the first stage reads its own copy, kept by the same `TieCompressor`
+as the pipeline's (rows as deltas, once per call on the whole batch's distinct tokens), and its
+gradient rows reach the weight through the error-feedback codec, once per backward, as the
+pipeline's `train_step` exchanges them.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from .models import get_adapter
 from .models.router import RouterLoss, router_spec
 from .models.split import stage_ranges
 from .plan import Plan
-from .telemetry import ChannelStats, summarize
+from .telemetry import ChannelStats, TrafficCounter, summarize
+from .tie import TieCompressor
 
 # Keyword arguments that HF training loops pass and that do not change the computation here.
 _IGNORED_KWARGS = frozenset({"return_dict", "use_cache", "output_attentions", "output_hidden_states"})
@@ -40,6 +47,29 @@ class _CompressedBoundary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.backward_boundary.transfer(grad.contiguous(), slot=ctx.slot), None, None, None, None
+
+
+class _TiedRows(torch.autograd.Function):
+    """Forward: the first stage's copy of a tied embedding once this step's compressed rows are in.
+    Backward: its gradient rows (summed over the micro-batches) through the error-feedback codec,
+    as the gradient of the owner's weight."""
+
+    @staticmethod
+    def forward(ctx, weight, rows, tie: TieCompressor, counter: TrafficCounter | None):
+        payload, _ = tie.encode_rows(weight, rows)
+        raw = rows.numel() * weight.shape[1] * weight.element_size()
+        if counter is not None:
+            counter.add(payload.numel(), raw)
+        ctx.tie, ctx.rows, ctx.counter, ctx.raw = tie, rows, counter, raw
+        return tie.table.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows = ctx.rows
+        payload, decoded = ctx.tie.encode_gradient(grad.index_select(0, rows), rows, grad)
+        if ctx.counter is not None:
+            ctx.counter.add(payload.numel(), ctx.raw)
+        return torch.zeros_like(grad).index_copy_(0, rows, decoded.to(grad.dtype)), None, None, None
 
 
 class _InferenceBoundary(torch.autograd.Function):
@@ -80,6 +110,21 @@ class SimulatedPipeline(nn.Module):
             for name, compression, memory in (("forward", plan.forward, plan.memory), ("backward", plan.backward, None)):
                 self.boundaries[f"boundary{b}.{name}"] = Boundary(f"boundary{b}.{name}", compression, memory,
                                                                   track_error=False)
+        # The compressed tie (Plan.tie_compression): the first stage's input embedding module.
+        self.tie: TieCompressor | None = None
+        self.traffic: dict[str, TrafficCounter] = {}
+        self._tie_module: nn.Module | None = None
+        self._in_tie = False
+        pairs = self.adapter.tied_weights()
+        if plan.tie_compression is not None and last > 0 and pairs:
+            first = pairs[0][1]
+            module = self.adapter.model.get_submodule(first.rsplit(".", 1)[0])
+            if not isinstance(module, nn.Embedding):
+                raise ValueError(f"Plan.tie_compression: {pairs[0][0]!r} is tied to {first!r}, which is not an "
+                                 "nn.Embedding; only a head tied to the input token embedding can be compressed.")
+            self._tie_module = module
+            self.tie = TieCompressor(plan.tie_compression, "both")
+            self.traffic["tie"] = TrafficCounter()
 
     @property
     def config(self):
@@ -124,49 +169,91 @@ class SimulatedPipeline(nn.Module):
         if num_items is None and labels is not None and num_micro > 1:
             num_items = (labels[..., 1:] != -100).sum()  # per-micro-batch means would weight rows unevenly
         logits_parts, loss = [], None
-        for slot, (ids, mask, lab, sid) in enumerate(
-            zip(split(input_ids), split(attention_mask), split(labels), split(sample_id), strict=False)
-        ):
-            h = ids
-            with self.router.collecting() if self.router else contextlib.nullcontext():
-                for s, stage in enumerate(self.stages):
-                    h = stage(h, mask)
-                    if s < len(self.stages) - 1:
-                        forward = self.boundaries[f"boundary{s}.forward"]
-                        if compress:
-                            h = _CompressedBoundary.apply(h, forward, self.boundaries[f"boundary{s}.backward"], sid,
-                                                          slot)
-                        else:
-                            h = _InferenceBoundary.apply(h, forward)
-            logits_parts.append(h)
-            if lab is not None:
-                part = self.model.loss_function(
-                    h, lab, vocab_size=self.model.config.vocab_size, num_items_in_batch=num_items
-                )
-                if self.router is not None:  # per micro-batch, as transformers per forward call
-                    part = part + self.router.whole_loss(*self.router.partial(mask, h.device))
-                loss = part if loss is None else loss + part
+        with self._compressed_tie(input_ids, compress):
+            for slot, (ids, mask, lab, sid) in enumerate(
+                zip(split(input_ids), split(attention_mask), split(labels), split(sample_id), strict=False)
+            ):
+                part, h = self._micro_batch(ids, mask, lab, sid, slot, compress, num_items)
+                logits_parts.append(h)
+                if part is not None:
+                    loss = part if loss is None else loss + part
         logits = torch.cat(logits_parts) if len(logits_parts) > 1 else logits_parts[0]
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
+    def _micro_batch(self, ids, mask, lab, sid, slot: int, compress: bool, num_items):
+        """(loss or None, logits) of one micro-batch through every stage and boundary."""
+        h = ids
+        with self.router.collecting() if self.router else contextlib.nullcontext():
+            for s, stage in enumerate(self.stages):
+                h = stage(h, mask)
+                if s < len(self.stages) - 1:
+                    forward = self.boundaries[f"boundary{s}.forward"]
+                    if compress:
+                        h = _CompressedBoundary.apply(h, forward, self.boundaries[f"boundary{s}.backward"], sid, slot)
+                    else:
+                        h = _InferenceBoundary.apply(h, forward)
+        part = None
+        if lab is not None:
+            part = self.model.loss_function(h, lab, vocab_size=self.model.config.vocab_size,
+                                            num_items_in_batch=num_items)
+            if self.router is not None:  # per micro-batch, as transformers per forward call
+                part = part + self.router.whole_loss(*self.router.partial(mask, h.device))
+        return part, h
+
+    @contextlib.contextmanager
+    def _compressed_tie(self, input_ids: torch.Tensor, training: bool):
+        """With `Plan.tie_compression`: while the micro-batches run, the first stage's embedding
+        reads the copy the pipeline's first stage would hold (refreshed with this call's rows, as
+        `Pipeline.train_step` and `eval_step` refresh it), not the owner's weight. A frozen tie is
+        never exchanged."""
+        module = self._tie_module
+        if module is None or not module.weight.requires_grad:
+            yield
+            return
+        rows = torch.unique(input_ids.reshape(-1)).to(module.weight.device)
+        table = _TiedRows.apply(module.weight, rows, self.tie, self.traffic["tie"] if training else None)
+
+        def hook(m, args, kwargs, out):  # the module's own forward (a scaled embedding's too), on the copy
+            if self._in_tie:
+                return None
+            self._in_tie = True
+            try:
+                return torch.func.functional_call(m, {"weight": table}, args, kwargs)
+            finally:
+                self._in_tie = False
+
+        handle = module.register_forward_hook(hook, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+
     def stats(self) -> dict:
-        """Bytes sent vs uncompressed, compression ratio and relative error per boundary direction."""
-        return summarize({name: b.stats for name, b in self.boundaries.items()})
+        """Bytes sent vs uncompressed, compression ratio and relative error per boundary direction
+        (and, with `Plan.tie_compression`, the tie rows' bytes under `categories["tie"]`)."""
+        return summarize({name: b.stats for name, b in self.boundaries.items()}, self.traffic)
 
     def reset_stats(self) -> None:
         for b in self.boundaries.values():
             b.stats = ChannelStats()
+        for name in self.traffic:
+            self.traffic[name] = TrafficCounter()
 
     def compression_state_dict(self) -> dict[str, torch.Tensor]:
-        """Error-feedback buffers, AQ-SGD memories and codec counters of every boundary."""
+        """Error-feedback buffers, AQ-SGD memories and codec counters of every boundary (and the
+        compressed tie's copy, error table and counters under `tie.`)."""
         state: dict[str, torch.Tensor] = {}
         for name, b in self.boundaries.items():
             state.update(prefixed(b.state_dict(), name))
+        if self.tie is not None:
+            state.update(prefixed(self.tie.state_dict(), "tie"))
         return state
 
     def load_compression_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, b in self.boundaries.items():
             b.load_state_dict(unprefixed(state, name))
+        if self.tie is not None:
+            self.tie.load_state_dict(unprefixed(state, "tie"))
 
     def save_compression_state(self, directory: str) -> None:
         """Write every boundary's state to `directory` (safetensors, as rank 0 of a pipeline)."""

@@ -58,6 +58,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--forward", default=None,
                    help="override the forward compression, e.g. 'aqsgd,bits=2' or 'topk,ratio=0.1,feedback=ef'")
     p.add_argument("--backward", default=None, help="override the backward compression, e.g. 'quantize,bits=8'")
+    p.add_argument("--tie_compression", default=None,
+                   help="compress the tied embedding's rows between the first and last stage, e.g. 'quantize,bits=8'")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--epochs", type=int, default=3)
@@ -103,7 +105,7 @@ def load_plan(path: str, num_samples: int, args: argparse.Namespace) -> hf_actco
     if args.dp_compression is not None:
         hook = parse_compression(args.dp_compression)
         data["dp_compression"] = hook if len(hook) > 1 else hook["method"]
-    for direction in ("forward", "backward"):
+    for direction in ("forward", "backward", "tie_compression"):
         spec = getattr(args, direction)
         if spec is not None:
             data[direction] = parse_compression(spec)

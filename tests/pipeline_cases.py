@@ -57,7 +57,8 @@ COMPRESSED_PLANS = {
     "aqsgd": lambda schedule: Plan(
         num_stages=2, micro_batches=2, schedule=schedule,
         forward=Compression("aqsgd", bits=4), backward=Compression("quantize", bits=8),
-        memory=MemoryConfig(num_samples=NUM_SAMPLES, dtype="fp32")),
+        memory=MemoryConfig(num_samples=NUM_SAMPLES, dtype="fp32"),
+        tie_compression=Compression("quantize", bits=6, rounding="stochastic", seed=3)),
     "topk_ef": lambda schedule: Plan(
         num_stages=2, micro_batches=2, schedule=schedule,
         forward=Compression("topk", ratio=0.1, feedback="ef"), backward=Compression("quantize", bits=8)),

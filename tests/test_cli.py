@@ -68,7 +68,33 @@ def test_estimate_bytes_and_time(tmp_path, capsys):
     assert result["expected_speedup"] == pytest.approx(
         (0.5 + 2 * 2 * raw * 8 / 10e6) / (0.5 + result["link_seconds_per_step"]))
     assert main(args[:-1]) == 0  # the table
-    assert "expected step time" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "expected step time" in out and "first visits uncompressed" in out
+
+
+def test_estimate_compressed_warm_up(tmp_path, capsys):
+    import torch
+
+    from hf_actcomp.codecs import HadamardCodec
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 4, "n_head": 4}))
+    plan = Plan(num_stages=2, micro_batches=2, backward=Compression("quantize", bits=4),
+                forward=Compression("aqsgd", bits=2, first_visit=Compression("hadamard", bits=4)))
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.to_json_string())
+    args = ["estimate", "--model", str(tmp_path / "config.json"), "--plan", str(plan_path), "--batch-size", "64",
+            "--seq-len", "64", "--link", "10mbit", "--num-samples", "1000"]
+    assert main([*args, "--json"]) == 0
+    entry = json.loads(capsys.readouterr().out)["boundaries"][0]
+    warm_up = 2 * HadamardCodec(bits=4).payload_nbytes((32, 64, 64), torch.float32)  # 2 micro-batches of 32 rows
+    assert entry["first_epoch_forward_bytes"] == warm_up
+    assert entry["forward_bytes"] < warm_up < entry["uncompressed_bytes"] / 7
+    assert entry["first_visit"] == "warm-up hadamard4"
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "forward aqsgd-quantize2 (warm-up hadamard4)" in out
+    kib = warm_up / 1024
+    assert f"(first epoch {kib:.1f} KiB, warm-up hadamard4)" in out
 
 
 def test_estimate_errors(tmp_path, capsys):

@@ -8,6 +8,7 @@ from hf_actcomp.feedback import (
     AQSGDSender,
     EF21Sender,
     EFSender,
+    build_codec,
     build_inference_codec,
     build_receiver,
     build_sender,
@@ -121,6 +122,106 @@ def test_aqsgd_mixed_batch_of_new_and_seen_samples():
     out = receiver.decode(payload, x.shape, x.dtype, sample_ids=mixed)
     assert torch.equal(out, sender.last_reconstruction)
     assert receiver.memory.is_seen(torch.arange(8)).tolist() == [True, True, False, False, False, True, False, True]
+
+
+WARM_UPS = {
+    "hadamard4": Compression("hadamard", bits=4, group_size=64),
+    "quantize8": Compression("quantize", bits=8),
+    "quantize4-stochastic": Compression("quantize", bits=4, rounding="stochastic", seed=3),
+    "randk0.5": Compression("randk", ratio=0.5, value_dtype="fp32", seed=5),  # its decode draws from its stream
+}
+
+
+def warm_up_pair(warm_up, num_samples=8):
+    compression = Compression("aqsgd", bits=2, first_visit=warm_up)
+    return pair(compression, MemoryConfig(store="host", dtype="fp32", num_samples=num_samples))
+
+
+@pytest.mark.parametrize("name", ["hadamard4", "quantize8"])
+def test_aqsgd_compressed_warm_up_payload_sizes_are_exact(name):
+    warm_up = WARM_UPS[name]
+    sender, receiver = warm_up_pair(warm_up)
+    warm, inner = build_codec(warm_up), build_codec(Compression("quantize", bits=2))
+    assert sender.first_codec.name == receiver.first_codec.name == warm_up.method
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 64)
+    # First visit of every row: the warm-up codec's payload, far below the uncompressed 4 bytes per element.
+    first = torch.tensor([0, 2, 4, 6])
+    expected = warm.payload_nbytes((4, 6, 64), torch.float32)
+    assert expected < x.numel() * 4 / 3
+    assert receiver.payload_nbytes(x.shape, x.dtype, first) == expected
+    payload = sender.encode(x, sample_ids=first)
+    assert payload.numel() == expected
+    receiver.decode(payload, x.shape, x.dtype, sample_ids=first)
+    # A mixed batch: 2 and 6 seen (2-bit deltas), 1 and 7 new (the warm-up codec), in that order in the payload.
+    mixed = torch.tensor([2, 1, 6, 7])
+    expected = warm.payload_nbytes((2, 6, 64), torch.float32) + inner.payload_nbytes((2, 6, 64), torch.float32)
+    assert receiver.payload_nbytes(x.shape, x.dtype, mixed) == expected
+    payload = sender.encode(x + 0.01, sample_ids=mixed)
+    assert payload.numel() == expected
+    out = receiver.decode(payload, x.shape, x.dtype, sample_ids=mixed)
+    assert torch.equal(out, sender.last_reconstruction)
+
+
+@pytest.mark.parametrize("name", ["hadamard4", "quantize8"])
+def test_aqsgd_warm_up_decode_becomes_the_memory_entry(name):
+    warm_up = WARM_UPS[name]
+    sender, receiver = warm_up_pair(warm_up)
+    torch.manual_seed(1)
+    x = torch.randn(3, 6, 64)
+    ids = torch.tensor([5, 1, 3])
+    out = receiver.decode(sender.encode(x, sample_ids=ids), x.shape, x.dtype, sample_ids=ids)
+    reference = build_codec(warm_up)  # a fresh codec, the same kernels
+    expected = reference.decode(reference.encode(x), x.shape, torch.float32)
+    assert torch.equal(out, expected)
+    assert not torch.equal(out, x)  # lossy: later deltas correct it
+    for memory in (receiver.memory, sender.mirror.memory):
+        assert torch.equal(memory.read(ids, torch.device("cpu"), torch.float32), expected)
+        assert memory.is_seen(torch.arange(8)).tolist() == [False, True, False, True, False, True, False, False]
+    # Revisits of the same activations: the 2-bit deltas correct the warm-up's error.
+    errors = [float((out - x).norm() / x.norm())]
+    for _ in range(3):
+        out = receiver.decode(sender.encode(x, sample_ids=ids), x.shape, x.dtype, sample_ids=ids)
+        errors.append(float((out - x).norm() / x.norm()))
+    assert errors[-1] < errors[0]
+
+
+@pytest.mark.parametrize("name", list(WARM_UPS))
+def test_aqsgd_warm_up_memories_stay_identical(name):
+    sender, receiver = warm_up_pair(WARM_UPS[name], num_samples=10)
+    torch.manual_seed(2)
+    data = torch.randn(10, 4, 64)
+    batches = [[0, 1, 2], [3, 0, 4], [5, 6, 1], [7, 8, 9], [2, 9, 5], [4, 3, 8]]  # new and seen rows mixed
+    for step, rows in enumerate(batches):
+        ids = torch.tensor(rows)
+        x = data[ids] + 0.05 * step
+        payload = sender.encode(x, sample_ids=ids)
+        assert payload.numel() == receiver.payload_nbytes(x.shape, x.dtype, ids)
+        out = receiver.decode(payload, x.shape, x.dtype, sample_ids=ids)
+        assert torch.equal(out, sender.last_reconstruction)
+        assert torch.equal(sender.mirror.memory.values, receiver.memory.values)
+        assert torch.equal(sender.mirror.memory.seen, receiver.memory.seen)
+    assert receiver.memory.is_seen(torch.arange(10)).all()
+
+
+def test_aqsgd_warm_up_counters_survive_a_state_dict_round_trip():
+    sender, receiver = warm_up_pair(WARM_UPS["randk0.5"])
+    x = torch.randn(2, 3, 64)
+    for ids in ([0, 1], [2, 3]):
+        ids = torch.tensor(ids)
+        receiver.decode(sender.encode(x, sample_ids=ids), x.shape, x.dtype, sample_ids=ids)
+    state = sender.state_dict()
+    assert state["first_codec.calls"].item() == 2 and state["mirror.first_codec.calls"].item() == 2
+    assert receiver.state_dict()["first_codec.calls"].item() == 2
+    resumed, resumed_receiver = warm_up_pair(WARM_UPS["randk0.5"])
+    resumed.load_state_dict(state)
+    resumed_receiver.load_state_dict(receiver.state_dict())
+    ids = torch.tensor([4, 1])
+    payload = sender.encode(x, sample_ids=ids)
+    assert torch.equal(resumed.encode(x, sample_ids=ids), payload)
+    out = resumed_receiver.decode(payload, x.shape, x.dtype, sample_ids=ids)
+    assert torch.equal(out, receiver.decode(payload, x.shape, x.dtype, sample_ids=ids))
+    assert torch.equal(out, sender.last_reconstruction)
 
 
 def test_aqsgd_rejects_bad_sample_ids_before_touching_memory():

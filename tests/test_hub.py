@@ -82,6 +82,15 @@ def test_base_model_only_when_it_names_a_hub_model(tmp_path):
     assert not hub._is_repo_id("") and not hub._is_repo_id(str(tmp_path)) and not hub._is_repo_id("a/b/c")
 
 
+def test_card_of_a_compressed_warm_up(tmp_path):
+    plan = Plan(num_stages=2, forward=Compression("aqsgd", bits=2, first_visit=Compression("hadamard", bits=4)),
+                backward=Compression("quantize", bits=4))
+    plan.save_pretrained(tmp_path)  # the card reads the plan back (from_pretrained)
+    card = hub.model_card(tmp_path)
+    assert {"aq-sgd", "quantization", "hadamard"} <= set(card.data.tags)
+    assert "| forward (activations) | `aqsgd-quantize2 (warm-up hadamard4)` |" in card.text
+
+
 class RecordingApi:
     """Stands in for the Hub: records create_repo / upload_folder calls."""
 

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from hf_actcomp import simulate
 from hf_actcomp.debug import debug_model
+from hf_actcomp.feedback import build_codec
 from hf_actcomp.pipeline import stage_actions
 
 
@@ -159,6 +160,7 @@ def test_compressed_run_matches_simulation(tmp_path, plan_name):
     if plan_name == "aqsgd":
         for sums in result["checksums"]:
             assert sums["boundary0.sender"] == sums["boundary0.receiver"] != 0.0
+            assert sums["tie.copy"] == sums["tie.mirror"] != 0.0  # what the first stage holds, on both ends
     stats, sim_stats = result["stats"], sim.stats()
     for channel in ("boundary0.forward", "boundary0.backward"):
         assert stats["channels"][channel]["bytes_sent"] == sim_stats["channels"][channel]["bytes_sent"]
@@ -166,11 +168,17 @@ def test_compressed_run_matches_simulation(tmp_path, plan_name):
     categories = stats["categories"]
     boundary = [categories["activations"], categories["activation_gradients"]]
     assert sum(c["bytes_uncompressed"] for c in boundary) / sum(c["bytes_sent"] for c in boundary) > 2
-    # Every byte between the ranks is counted: rows of the tied embedding there and back (fp32),
-    # per step the loss broadcast (4 bytes) and the clip-norm all-reduce (4 bytes from each rank).
+    # Every byte between the ranks is counted: rows of the tied embedding there and back (fp32, or
+    # the plan's tie codec), per step the loss broadcast (4 bytes) and the clip-norm all-reduce (4
+    # bytes from each rank).
     hidden = model.config.hidden_size
     rows = [torch.unique(b["input_ids"]).numel() for b in training_batches(model.config.vocab_size, steps)]
-    assert categories["tie"]["bytes_sent"] == categories["tie"]["bytes_uncompressed"] == 2 * sum(rows) * hidden * 4
+    tie = COMPRESSED_PLANS[plan_name]("1f1b").tie_compression
+    tie_bytes = sum(2 * (build_codec(tie).payload_nbytes((r, hidden), torch.float32) if tie else r * hidden * 4)
+                    for r in rows)
+    assert categories["tie"]["bytes_sent"] == tie_bytes
+    assert categories["tie"]["bytes_uncompressed"] == 2 * sum(rows) * hidden * 4
+    assert sim_stats["categories"].get("tie", categories["tie"])["bytes_sent"] == tie_bytes
     assert categories["collectives"]["bytes_sent"] == steps * (4 + 2 * 4)
     assert stats["bytes_sent"] == sum(c["bytes_sent"] for c in categories.values())
     assert stats["compression_ratio"] == pytest.approx(
@@ -371,7 +379,7 @@ def test_frozen_parameters_tie_eval_mode_fp16_and_equal_shards(tmp_path):
 
 def test_hung_peer_times_out_when_waiting_or_polling(tmp_path):
     run_workers("pipeline_worker.py", 2, ["hung_peer", str(tmp_path)], timeout=120)
-    for poll in (0, 1):
-        report = json.loads((tmp_path / f"poll{poll}.json").read_text())
+    for name in ("poll0", "poll1", "early"):
+        report = json.loads((tmp_path / f"{name}.json").read_text())
         assert "Rank 0 failed receiving a message that never comes (16 bytes) with rank 1 (timeout 2s)" in report["error"]
         assert 1.5 < report["seconds"] < 10 and report["waiting"] >= 1.5

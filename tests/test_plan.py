@@ -34,6 +34,57 @@ def test_json_yaml_and_pretrained_round_trip(tmp_path):
     assert Plan.from_file(tmp_path / "plan.yaml") == plan
 
 
+def warm_up_plan() -> Plan:
+    return Plan(num_stages=2, forward=Compression("aqsgd", bits=2, first_visit=Compression("hadamard", bits=4)),
+                backward=Compression("quantize", bits=4), memory=MemoryConfig(num_samples=10))
+
+
+def test_compressed_warm_up_round_trips(tmp_path):
+    plan = warm_up_plan()
+    assert Plan.from_json_string(plan.to_json_string()) == plan
+    assert Plan.from_yaml_string(plan.to_yaml_string()) == plan
+    assert isinstance(Plan.from_yaml_string(plan.to_yaml_string()).forward.first_visit, Compression)
+    plan.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / CONFIG_NAME).read_text())
+    assert data["forward"]["first_visit"]["method"] == "hadamard" and data["forward"]["first_visit"]["bits"] == 4
+    assert Plan.from_pretrained(tmp_path) == plan
+    (tmp_path / "plan.yaml").write_text(plan.to_yaml_string())
+    assert Plan.from_file(tmp_path / "plan.yaml") == plan
+    # A hand-written dict (JSON, YAML) needs only the fields it sets.
+    short = Compression("aqsgd", bits=2, first_visit={"method": "quantize", "bits": 8})
+    assert short.first_visit == Compression("quantize", bits=8)
+    data = {"forward": {"method": "aqsgd", "bits": 2, "first_visit": {"method": "quantize", "bits": 8}}}
+    assert Plan.from_dict(data).forward == short
+
+
+def test_compressed_warm_up_unknown_nested_keys_warn(caplog):
+    data = warm_up_plan().to_dict()
+    data["forward"]["first_visit"]["future_knob"] = 1
+    with caplog.at_level(logging.WARNING, logger="hf_actcomp.plan"):
+        assert Plan.from_dict(data) == warm_up_plan()
+    assert "Compression.first_visit" in caplog.text and "future_knob" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "first_visit, message",
+    [
+        (Compression("aqsgd", bits=4), "first_visit.method='aqsgd' is not valid: the warm-up codec must be stateless. "
+         "Allowed values: bf16, fp16, hadamard, none, quantize, randk, topk."),
+        (Compression("topk", ratio=0.1, feedback="ef"), "first_visit.feedback='ef' is not valid: the warm-up codec "
+         "must be stateless. Allowed values: none."),
+        (Compression("quantize", bits=4, feedback="ef21"), "first_visit.feedback='ef21' is not valid"),
+        ({"method": "aqsgd", "bits": 2}, "first_visit.method='aqsgd' is not valid"),
+        ({"method": "hadamard"}, r"Compression.first_visit: Compression\(method='hadamard'\) needs bits"),
+        ({"method": "quantize", "bits": 12}, "first_visit: Compression.bits=12 is outside the allowed range"),
+        (4, "first_visit=4 is not valid. Allowed values: full, direct, or a stateless Compression "
+         r"\(method: bf16, fp16, hadamard, none, quantize, randk, topk; feedback: none\)"),
+    ],
+)
+def test_compressed_warm_up_validation(first_visit, message):
+    with pytest.raises(ValueError, match=message):
+        Compression("aqsgd", bits=2, first_visit=first_visit)
+
+
 def test_unknown_keys_from_newer_version_warn(tmp_path, caplog):
     data = aqsgd_plan().to_dict()
     data["format_version"] = FORMAT_VERSION + 1
@@ -128,6 +179,11 @@ def test_describe_labels():
     assert Compression("aqsgd", bits=4).describe() == "aqsgd-quantize4"
     assert Compression("topk", ratio=0.1, feedback="ef").describe() == "topk0.1+ef"
     assert Compression().describe() == "none"
+    assert Compression("aqsgd", bits=4, first_visit="direct").describe() == "aqsgd-quantize4"
+    warm_up = Compression("aqsgd", bits=2, first_visit=Compression("hadamard", bits=4))
+    assert warm_up.describe() == "aqsgd-quantize2 (warm-up hadamard4)"
+    assert Compression("aqsgd", inner="topk", ratio=0.3, first_visit=Compression("fp16")).describe() == (
+        "aqsgd-topk0.3 (warm-up fp16)")
     hadamard = Compression("hadamard", bits=3, group_size=64, rounding="stochastic", seed=2)
     assert hadamard.describe() == "hadamard3"
     assert hadamard.codec_params() == dict(bits=3, group_size=64, rounding="stochastic", seed=2)

@@ -87,20 +87,20 @@ def test_backward_compression_changes_gradients_only_upstream():
     assert float((p - q).norm() / q.norm()) < 0.2
 
 
-def test_aqsgd_training_reduces_loss_and_bytes():
+def train_aqsgd(forward, num_samples=8, epochs=4):
+    """A tiny GPT-2 trained by `simulate` on a learnable pattern, 2 stages x 2 micro-batches, batches
+    of 4 sample ids: (sim, forward bytes of each epoch, loss of each step)."""
     torch.manual_seed(0)
     model = debug_model("gpt2")
-    num_samples = 8
     plan = Plan(
-        num_stages=2, micro_batches=2,
-        forward=Compression("aqsgd", bits=2), backward=Compression("quantize", bits=4),
+        num_stages=2, micro_batches=2, forward=forward, backward=Compression("quantize", bits=4),
         memory=MemoryConfig(num_samples=num_samples, store="host", dtype="fp16"),
     )
     sim = simulate(model, plan)
     data = (torch.arange(num_samples)[:, None] * 7 + torch.arange(16)[None, :] * 3) % 64  # learnable
     optimizer = torch.optim.AdamW(sim.parameters(), lr=1e-2)
     epoch_bytes, losses = [], []
-    for _ in range(4):
+    for _ in range(epochs):
         sim.reset_stats()
         for start in range(0, num_samples, 4):
             ids = torch.arange(start, start + 4)
@@ -110,12 +110,30 @@ def test_aqsgd_training_reduces_loss_and_bytes():
             optimizer.zero_grad()
             losses.append(out.loss.item())
         epoch_bytes.append(sim.stats()["channels"]["boundary0.forward"]["bytes_sent"])
-    hidden = model.config.hidden_size
+    forward = sim.boundaries["boundary0.forward"]
+    assert torch.equal(forward.sender.mirror.memory.values, forward.receiver.memory.values)
+    return sim, epoch_bytes, losses
+
+
+def test_aqsgd_training_reduces_loss_and_bytes():
+    num_samples = 8
+    sim, epoch_bytes, losses = train_aqsgd(Compression("aqsgd", bits=2), num_samples)
+    hidden = sim.model.config.hidden_size
     assert epoch_bytes[0] == num_samples * 16 * hidden * 4  # first visit: uncompressed fp32
     assert epoch_bytes[1] == num_samples * 16 * hidden * 2 // 8 + num_samples * 16 * hidden // 128 * 4
     assert losses[-1] < losses[0] * 0.8
-    forward = sim.boundaries["boundary0.forward"]
-    assert torch.equal(forward.sender.mirror.memory.values, forward.receiver.memory.values)
+
+
+def test_aqsgd_compressed_warm_up_training_reduces_loss():
+    from hf_actcomp.feedback import build_codec
+
+    warm_up = Compression("hadamard", bits=4)
+    forward = Compression("aqsgd", bits=2, first_visit=warm_up)
+    sim, epoch_bytes, losses = train_aqsgd(forward)
+    micro = (2, 16, sim.model.config.hidden_size)  # 4 micro-batches of 2 rows per epoch
+    assert epoch_bytes[0] == 4 * build_codec(warm_up).payload_nbytes(micro, torch.float32)  # first visits: warm-up
+    assert epoch_bytes[1] == 4 * build_codec(forward).payload_nbytes(micro, torch.float32)  # 2-bit deltas
+    assert losses[-1] < losses[0] * 0.8
 
 
 def test_eval_mode_is_stateless():

@@ -139,10 +139,15 @@ def test_aqsgd_with_dynamic_padding_and_save(tmp_path):
         torch.testing.assert_close(reloaded.get_parameter(name), p.detach(), rtol=0, atol=0)
 
 
-def test_in_process_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("forward", [
+    Compression("aqsgd", bits=4),
+    # A stochastic warm-up codec: steps 3-4 still visit samples first, with its counter restored.
+    Compression("aqsgd", bits=2, first_visit=Compression("quantize", bits=4, rounding="stochastic", seed=1)),
+], ids=["full", "warm-up"])
+def test_in_process_resume_continues_exactly(tmp_path, forward):
     """One process, AQ-SGD: 6 steps straight == 2 steps, checkpoint, a new trainer, resume, 4 more
     (steps 5-6 revisit samples: the memory comes back from actcomp_state/)."""
-    plan = Plan(num_stages=2, forward=Compression("aqsgd", bits=4), backward=Compression("quantize", bits=8))
+    plan = Plan(num_stages=2, forward=forward, backward=Compression("quantize", bits=8))
 
     def run(name, resume=None):
         model = debug_model("gpt2", seed=0)

@@ -1,7 +1,9 @@
-"""The transport posts each send together with the receive that follows it (one
-batch_isend_irecv, as NCCL needs where two stages' messages cross under 1F1B), and a send with
-no receive after it at once."""
+"""When the transport posts its messages. Paired (NCCL): each send goes together with the
+receive that follows it (one batch_isend_irecv, as NCCL needs where two stages' messages cross
+under 1F1B), and a send with no receive after it at once. Early (gloo): receives are posted
+when the engine announces them, sends at once, each kind under its own tag."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -16,27 +18,47 @@ class _Work:
         return True
 
 
-def test_a_send_is_posted_with_the_next_receive(monkeypatch):
-    batches = []
+@pytest.fixture
+def batches(monkeypatch):
+    posted = []
 
     class Op:
-        def __init__(self, op, tensor, peer=None, group=None):
+        def __init__(self, op, tensor, peer=None, group=None, tag=0):
             self.kind = "send" if op is dist.isend else "recv"
-            self.peer, self.nbytes = peer, tensor.numel()
+            self.peer, self.nbytes, self.tag = peer, tensor.numel(), tag
 
     def batch(ops):
-        batches.append([(op.kind, op.peer, op.nbytes) for op in ops])
+        posted.append([(op.kind, op.peer, op.nbytes, op.tag) for op in ops])
         return [_Work() for _ in ops]
 
     monkeypatch.setattr(transport_module.dist, "P2POp", Op)
     monkeypatch.setattr(transport_module.dist, "batch_isend_irecv", batch)
-    t = transport_module.Transport(None, rank=0, timeout=5.0)
+    return posted
+
+
+def test_a_send_is_posted_with_the_next_receive(batches):
+    t = transport_module.Transport(None, rank=0, timeout=5.0, early=False)
     t.send(torch.zeros(3, dtype=torch.uint8), dst=1, with_next_recv=True)  # e.g. F i's activations
     assert batches == []  # held for the next receive
-    t.recv(7, src=1, device=torch.device("cpu"), what="gradients")  # e.g. B j's gradients
-    assert batches == [[("send", 1, 3), ("recv", 1, 7)]]
+    posted = t.post_recv(7, src=1, device=torch.device("cpu"), what="gradients", tag=2)  # recorded only
+    assert batches == []
+    t.wait_recv(posted)  # e.g. B j's gradients
+    assert batches == [[("send", 1, 3, 0), ("recv", 1, 7, 2)]]
     t.send(torch.zeros(5, dtype=torch.uint8), dst=1)  # nothing to receive next: posted at once
-    assert batches[-1] == [("send", 1, 5)]
+    assert batches[-1] == [("send", 1, 5, 0)]
     t.send(torch.zeros(2, dtype=torch.uint8), dst=1, with_next_recv=True)
     t.flush()  # the end of the step posts what is left and waits for every send
-    assert batches[-1] == [("send", 1, 2)] and t.pending == [] and t.outbox == []
+    assert batches[-1] == [("send", 1, 2, 0)] and t.pending == [] and t.outbox == []
+
+
+def test_early_receives_are_posted_ahead_and_sends_at_once(batches):
+    t = transport_module.Transport(None, rank=1, timeout=5.0, early=True)
+    first = t.post_recv(7, src=0, device=torch.device("cpu"), what="activations of micro-batch 0", tag=1)
+    second = t.post_recv(9, src=0, device=torch.device("cpu"), what="activations of micro-batch 1", tag=1)
+    assert batches == [[("recv", 0, 7, 1)], [("recv", 0, 9, 1)]]  # both on the wire before any data is needed
+    t.send(torch.zeros(3, dtype=torch.uint8), dst=0, tag=2, with_next_recv=True)  # pairing ignored
+    assert batches[-1] == [("send", 0, 3, 2)]
+    assert t.wait_recv(first).numel() == 7 and len(batches) == 3  # nothing posted again
+    with pytest.raises(RuntimeError, match="receives posted but never taken: activations of micro-batch 1"):
+        t.flush()  # a step must take every receive it posted
+    assert t.posted == [] and second.work is not None

@@ -23,10 +23,14 @@ COMPRESSION_STATE_DIR = "actcomp_state"
 
 
 def compression_state_dict(pipe: Pipeline) -> dict[str, torch.Tensor]:
-    """This rank's EF buffers, AQ-SGD memories, codec counters and data-parallel hook state."""
+    """This rank's EF buffers, AQ-SGD memories, codec counters, data-parallel hook state and, with
+    `Plan.tie_compression`, its end of the tie (`tie.copy` and `tie.error` on the first stage,
+    `tie.mirror` on the last)."""
     state: dict[str, torch.Tensor] = {}
     for name, boundary in pipe.boundaries.items():
         state.update(prefixed(boundary.state_dict(), name))
+    if pipe.tie is not None:
+        state.update(prefixed(pipe.tie.state_dict(), "tie"))
     if pipe.dp_compressor is not None:
         state.update(prefixed(pipe.dp_compressor.state_dict(), "data_parallel"))
     return state
@@ -37,6 +41,8 @@ def load_compression_state_dict(pipe: Pipeline, state: dict[str, torch.Tensor]) 
         pipe.dp_compressor.load_state_dict(unprefixed(state, "data_parallel"))
     for name, boundary in pipe.boundaries.items():
         boundary.load_state_dict(unprefixed(state, name))
+    if pipe.tie is not None:
+        pipe.tie.load_state_dict(unprefixed(state, "tie"))
 
 
 def state_metadata(pipe: Pipeline) -> dict:

@@ -34,6 +34,7 @@ from ..telemetry import TrafficCounter, summarize
 from . import checkpointing
 from .batching import MicroBatch, check_batch, count_label_tokens, split_batch
 from .gradsync import GradientSync, TiedEmbedding
+from .link import StageLink
 from .loading import load_stage_model
 from .mesh import build_mesh, check_world_size
 from .schedule import stage_actions
@@ -144,6 +145,7 @@ class Pipeline(nn.Module):
         self.router = RouterLoss(model, self.stage) if router_spec(model) is not None else None
         if self.router is not None:
             self.traffic["router"] = TrafficCounter()
+        self.links = self._stage_links()
         self.dp_compressor = None
         if self.dp_group is not None:
             hook, params = plan.dp_hook()
@@ -184,6 +186,18 @@ class Pipeline(nn.Module):
         ends = (self.forward_in, self.backward_out, self.forward_out, self.backward_in)
         return {b.name: b for b in ends if b is not None}
 
+    def _stage_links(self) -> dict[str, StageLink]:
+        """The wire format of each boundary direction this rank touches: `forward_in`,
+        `backward_out` (to the previous stage), `forward_out`, `backward_in` (the next stage)."""
+        router = self.router
+        sides = {"forward": router.stats_numel if router else 0, "backward": router.num_experts if router else 0}
+        ends = {"forward_in": (self.forward_in, self.mesh.prev_rank), "backward_out": (self.backward_out, self.mesh.prev_rank),
+                "forward_out": (self.forward_out, self.mesh.next_rank), "backward_in": (self.backward_in, self.mesh.next_rank)}
+        return {key: StageLink(b, self.transport, peer, self.boundary_dtype,
+                               side_numel=sides[key.split("_")[0]],
+                               side_counter=self.traffic.get("router"))
+                for key, (b, peer) in ends.items() if b is not None}
+
     def _tied_embedding(self) -> TiedEmbedding | None:
         """This stage's end of the embedding tied between the first and the last stage."""
         if self.mesh.num_stages == 1 or not (self.is_first or self.is_last):
@@ -192,7 +206,8 @@ class Pipeline(nn.Module):
         for later, first in self.tied_pairs:
             name = first if self.is_first else later
             if name in own:
-                return TiedEmbedding(own[name], self.mesh, self.transport, self.traffic["tie"])
+                return TiedEmbedding(own[name], self.mesh, self.transport, self.traffic["tie"],
+                                     self.plan.tie_compression)
         return None
 
     # ------------------------------------------------------------------------- steps
@@ -223,6 +238,7 @@ class Pipeline(nn.Module):
         micro = split_batch(batch, self.plan.micro_batches, self.device)
         num_tokens = count_label_tokens(batch["labels"])
         normaliser = self._loss_normaliser(num_tokens, num_items_in_batch)
+        self._post_receives(micro, training=True)
         if self.tie is not None:
             self.tie.share_rows(batch["input_ids"])
         saved: dict[int, tuple] = {}
@@ -259,20 +275,16 @@ class Pipeline(nn.Module):
             num_tokens = count_label_tokens(batch["labels"])
             normaliser = self._loss_normaliser(num_tokens, None)
             counter = self.traffic["evaluation"]
+            receiver = self.forward_in and (self.forward_in.inference if compress else self._uncompressed)
+            sender = self.forward_out and (self.forward_out.inference if compress else self._uncompressed)
+            self._post_receives(micro, training=False, codec=receiver)
             if self.tie is not None:
                 self.tie.share_rows(batch["input_ids"], counter)
             total = torch.zeros((), dtype=torch.float32, device=self.device)
-            receiver = self.forward_in and (self.forward_in.inference if compress else self._uncompressed)
-            sender = self.forward_out and (self.forward_out.inference if compress else self._uncompressed)
-            for mb in micro:
-                shape = (*mb.input_ids.shape, self.hidden_size)
+            for i, mb in enumerate(micro):
                 x, side = mb.input_ids, None
                 if not self.is_first:
-                    nbytes = receiver.payload_nbytes(shape, self.boundary_dtype)
-                    payload = self.transport.recv(nbytes + self._side_bytes("F"), self.mesh.prev_rank, self.device,
-                                                  "eval activations")
-                    payload, side = self._split_side(payload, nbytes)
-                    x = receiver.decode(payload, shape, self.boundary_dtype)
+                    x, side = self.links["forward_in"].receive(i, self._shape(mb), codec=receiver)
                 with self._autocast(), self._collecting_routers():
                     out = self.stage(x, mb.attention_mask)
                 stats, probs = self.router.partial(mb.attention_mask, self.device, side) if self.router else (None, None)
@@ -280,13 +292,27 @@ class Pipeline(nn.Module):
                     loss = self._loss(out, mb.labels, normaliser).float()
                     total += loss if stats is None else loss + self.router.whole_loss(stats, probs)
                 else:
-                    payload = sender.encode(out.to(self.boundary_dtype).contiguous())
-                    counter.add(payload.numel(), out.numel() * torch.finfo(self.boundary_dtype).bits // 8)
-                    self.transport.send(self._with_side(payload, stats, counter), self.mesh.next_rank)
+                    self.links["forward_out"].send(i, out, stats, codec=sender, counter=counter)
             self.transport.flush()
         finally:
             self.stage.train(was_training)
         return StepOutput(loss=self._broadcast_loss(self._mean_over_replicas(total)), num_tokens=num_tokens)
+
+    def _shape(self, mb: MicroBatch) -> tuple[int, ...]:
+        """The shape of what crosses a boundary for micro-batch `mb` (either direction)."""
+        return (*mb.input_ids.shape, self.hidden_size)
+
+    def _post_receives(self, micro: list[MicroBatch], *, training: bool, codec=None) -> None:
+        """Post every receive of the step at its start (sizes are known without data), so that a
+        payload can travel while this stage computes; see `Transport` for when they hit the wire.
+        Evaluation receives activations only, through the stateless `codec`."""
+        for i, mb in enumerate(micro):
+            if not self.is_first:
+                self.links["forward_in"].post(i, self._shape(mb), self.device,
+                                              f"{'' if training else 'eval '}activations of micro-batch {i}",
+                                              sample_ids=mb.sample_id if training else None, codec=codec)
+            if training and not self.is_last:
+                self.links["backward_in"].post(i, self._shape(mb), self.device, f"gradients of micro-batch {i}")
 
     def _receives(self, kind: str) -> bool:
         """Whether an action of this kind starts by receiving (so a send can be paired with it)."""
@@ -322,12 +348,7 @@ class Pipeline(nn.Module):
         """(input, output or loss, router probabilities or None) of micro-batch `i`, kept for its backward."""
         x, side = mb.input_ids, None
         if not self.is_first:
-            shape = (*mb.input_ids.shape, self.hidden_size)
-            nbytes = self.forward_in.payload_nbytes(shape, self.boundary_dtype, mb.sample_id)
-            payload = self.transport.recv(nbytes + self._side_bytes("F"), self.mesh.prev_rank, self.device,
-                                          f"activations of micro-batch {i}")
-            payload, side = self._split_side(payload, nbytes)
-            x = self.forward_in.receive(payload, shape, self.boundary_dtype, sample_ids=mb.sample_id, slot=i)
+            x, side = self.links["forward_in"].receive(i, self._shape(mb), sample_ids=mb.sample_id)
             x = x.detach().requires_grad_(True)
         with self._autocast(), self._collecting_routers():
             out = self.stage(x, mb.attention_mask)
@@ -341,8 +362,7 @@ class Pipeline(nn.Module):
                 probs.retain_grad()  # its gradient goes back to every earlier stage's routers
                 loss = loss + self.router.whole_loss(stats, probs)
             return x, loss, probs
-        payload = self.forward_out.send(out.detach().to(self.boundary_dtype), sample_ids=mb.sample_id, slot=i)
-        self.transport.send(self._with_side(payload, stats), self.mesh.next_rank, with_next_recv=pair)
+        self.links["forward_out"].send(i, out, stats, sample_ids=mb.sample_id, with_next_recv=pair)
         return x, out, probs
 
     def _backward(self, i: int, x: torch.Tensor, out: torch.Tensor, probs: torch.Tensor | None, pair: bool) -> None:
@@ -351,43 +371,18 @@ class Pipeline(nn.Module):
             out.backward()  # `out` is this micro-batch's loss
             router_grad = None if probs is None else probs.grad
         else:
-            nbytes = self.backward_in.payload_nbytes(out.shape, self.boundary_dtype)
-            payload = self.transport.recv(nbytes + self._side_bytes("B"), self.mesh.next_rank, self.device,
-                                          f"gradients of micro-batch {i}")
-            payload, router_grad = self._split_side(payload, nbytes)
-            grad = self.backward_in.receive(payload, out.shape, self.boundary_dtype, slot=i)
+            grad, router_grad = self.links["backward_in"].receive(i, out.shape)
             if probs is not None and probs.requires_grad:
                 torch.autograd.backward([out, probs], [grad.to(out.dtype), router_grad])
             else:
                 out.backward(grad.to(out.dtype))
         if self.is_first:
             return
-        payload = self.backward_out.send(x.grad.contiguous(), slot=i)
-        self.transport.send(self._with_side(payload, router_grad), self.mesh.prev_rank, with_next_recv=pair)
+        self.links["backward_out"].send(i, x.grad, router_grad, with_next_recv=pair)
 
     # -- the router side channel (MoE load-balancing loss), empty for every other model
     def _collecting_routers(self):
         return self.router.collecting() if self.router is not None else contextlib.nullcontext()
-
-    def _side_bytes(self, direction: str) -> int:
-        """Bytes appended to each activation ("F") or activation-gradient ("B") payload."""
-        if self.router is None:
-            return 0
-        return 4 * (self.router.stats_numel if direction == "F" else self.router.num_experts)
-
-    def _split_side(self, payload: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.router is None:
-            return payload, None
-        return payload[:nbytes], payload[nbytes:].clone().view(torch.float32)
-
-    def _with_side(self, payload: torch.Tensor, side: torch.Tensor | None,
-                   counter: TrafficCounter | None = None) -> torch.Tensor:
-        """`payload` with the router statistics appended (counted under `router`, or `counter`)."""
-        if self.router is None:
-            return payload
-        extra = side.detach().to(torch.float32).contiguous().view(torch.uint8)
-        (counter or self.traffic["router"]).add(extra.numel(), extra.numel())
-        return torch.cat([payload, extra.to(payload.device)])
 
     def count_over_replicas(self, count: int) -> int:
         """The sum of `count` over this stage's replicas (e.g. label tokens of an optimizer step,

@@ -10,7 +10,10 @@ After the micro-batches' backwards have accumulated into `.grad`:
    indices are sent. That is 2 x tokens x hidden per step instead of an all-reduce of
    vocab x hidden, lossless, and the first stage never reads a row it has not just received: the
    copies cannot diverge. The first stage's copy gets no gradient (`grad` stays None), so the
-   optimizer, clipping and the data-parallel hook skip it.
+   optimizer, clipping and the data-parallel hook skip it. With `Plan.tie_compression` the rows
+   go as compressed deltas against a mirror of the first stage's copy and the gradient rows with
+   error feedback (`hf_actcomp.tie`): both ends still agree bit for bit on what the first stage
+   holds.
 2. Replica averaging over the stage's data-parallel group, once per optimizer step
    (`sync=True`), through the plan's hook, over trainable parameters only. It runs after the tie,
    so that a lossy hook compresses the owner's complete gradient, once.
@@ -30,7 +33,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dp.base import ring_allreduce_bytes
+from ..plan import Compression
 from ..telemetry import TrafficCounter
+from ..tie import TieCompressor
 from .mesh import PipelineMesh
 from .transport import Transport
 
@@ -44,16 +49,21 @@ class TiedEmbedding:
         mesh: ranks of this pipeline.
         transport: the pipeline's point-to-point transport.
         counter: where the bytes this rank sends are counted.
+        compression: `Plan.tie_compression`: None sends rows and gradient rows exactly; a
+            `Compression` sends rows as deltas and gradient rows with error feedback
+            (`hf_actcomp.tie`).
     """
 
     def __init__(self, param: nn.Parameter, mesh: PipelineMesh, transport: Transport,
-                 counter: TrafficCounter) -> None:
+                 counter: TrafficCounter, compression: Compression | None = None) -> None:
         self.param = param
         self.mesh = mesh
         self.transport = transport
         self.counter = counter
         self.is_owner = mesh.is_last
         self.peer = mesh.ranks[0] if mesh.is_last else mesh.ranks[-1]
+        self.compressor = (TieCompressor(compression, "owner" if self.is_owner else "first")
+                           if compression is not None else None)
 
     @property
     def active(self) -> bool:
@@ -65,16 +75,26 @@ class TiedEmbedding:
         """The distinct token ids of a batch, sorted: the rows both ends exchange."""
         return torch.unique(input_ids.reshape(-1))
 
-    def _send(self, rows: torch.Tensor, counter: TrafficCounter | None = None) -> None:
-        payload = rows.contiguous().view(-1).view(torch.uint8)
-        (counter or self.counter).add(payload.numel())
+    def _raw_nbytes(self, count: int) -> int:
+        """Bytes of `count` rows sent exactly (the weight's dtype)."""
+        return count * self.param.shape[1] * self.param.element_size()
+
+    def _send(self, payload: torch.Tensor, count: int, counter: TrafficCounter | None = None) -> None:
+        payload = payload.contiguous().view(-1).view(torch.uint8)
+        (counter or self.counter).add(payload.numel(), self._raw_nbytes(count))
         self.transport.send(payload, self.peer)
 
-    def _recv(self, count: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-        hidden = self.param.shape[1]
-        nbytes = count * hidden * torch.empty((), dtype=dtype).element_size()
-        payload = self.transport.recv(nbytes, self.peer, self.param.device, what)
-        return payload.view(dtype).view(count, hidden)
+    def _recv(self, count: int, what: str) -> torch.Tensor:
+        """The next payload of `count` rows from the peer (uint8; exact rows, or the codec's)."""
+        if self.compressor is None:
+            nbytes = self._raw_nbytes(count)
+        else:
+            nbytes = self.compressor.payload_nbytes(count, self.param.shape[1], self.param.dtype)
+            what = f"compressed {what}"
+        return self.transport.recv(nbytes, self.peer, self.param.device, what)
+
+    def _rows(self, payload: torch.Tensor, count: int) -> torch.Tensor:
+        return payload.view(self.param.dtype).view(count, self.param.shape[1])
 
     @torch.no_grad()
     def share_rows(self, input_ids: torch.Tensor, counter: TrafficCounter | None = None) -> None:
@@ -84,9 +104,15 @@ class TiedEmbedding:
             return
         rows = self.rows_of(input_ids).to(self.param.device)
         if self.is_owner:
-            self._send(self.param.index_select(0, rows), counter)
+            if self.compressor is None:
+                self._send(self.param.index_select(0, rows), rows.numel(), counter)
+            else:
+                payload, _ = self.compressor.encode_rows(self.param, rows)
+                self._send(payload, rows.numel(), counter)
         else:
-            values = self._recv(rows.numel(), self.param.dtype, "tied embedding rows")
+            payload = self._recv(rows.numel(), "tied embedding rows")
+            values = (self._rows(payload, rows.numel()) if self.compressor is None
+                      else self.compressor.decode_rows(self.param, rows, payload))
             self.param.index_copy_(0, rows, values)
 
     @torch.no_grad()
@@ -97,16 +123,29 @@ class TiedEmbedding:
             return
         rows = self.rows_of(input_ids).to(self.param.device)
         if self.is_owner:
-            values = self._recv(rows.numel(), self.param.dtype, "tied embedding gradient rows")
+            payload = self._recv(rows.numel(), "tied embedding gradient rows")
+            values = (self._rows(payload, rows.numel()) if self.compressor is None
+                      else self.compressor.decode_gradient(payload, rows, self.param))
             if self.param.grad is None:
                 self.param.grad = torch.zeros_like(self.param)
             self.param.grad.index_add_(0, rows, values.to(self.param.grad.dtype))
         else:
             grad = self.param.grad
-            self._send(grad.index_select(0, rows) if grad is not None
-                       else torch.zeros(rows.numel(), self.param.shape[1], dtype=self.param.dtype,
-                                        device=self.param.device))
+            values = (grad.index_select(0, rows) if grad is not None
+                      else torch.zeros(rows.numel(), self.param.shape[1], dtype=self.param.dtype,
+                                       device=self.param.device))
+            if self.compressor is not None:
+                values, _ = self.compressor.encode_gradient(values, rows, self.param)
+            self._send(values, rows.numel())
             self.param.grad = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The compressed tie's tables and codec counters ({} for an exact tie)."""
+        return self.compressor.state_dict() if self.compressor is not None else {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state)
 
 
 class GradientSync:

@@ -1,10 +1,20 @@
 """Point-to-point transport of payloads between pipeline stages, with a deadline on every wait.
 
-Each send is posted together with the receive that follows it in the schedule, in one
-`torch.distributed.batch_isend_irecv` (as torch's own 1F1B fuses "send forward" with "receive
-backward"): two neighbours whose messages cross then post matching pairs, which NCCL needs to
-avoid a deadlock on large messages, and gloo accepts as well. A send with no receive after it is
-posted at once. Sends are waited for at the end of the step.
+Two ways to post, chosen by the backend (`early`):
+
+* **Early receives (gloo).** gloo puts a payload on the wire only once the receiver has posted
+  the matching receive. `post_recv` posts it at once (the engine posts all of a step's receives
+  at its start, their sizes being known without data), so a payload travels while this stage
+  still computes, and every send is posted at once. Each kind of message has its own tag (gloo's
+  slot): messages of one tag match in order, and kinds never wait for each other.
+* **Paired (NCCL).** NCCL runs a pair's sends and receives in posting order on one stream, so a
+  receive posted ahead of a send the peer waits for would deadlock. There each send is posted
+  together with the receive that follows it in the schedule, in one
+  `torch.distributed.batch_isend_irecv` (as torch's own 1F1B fuses "send forward" with "receive
+  backward"), and `post_recv` only records the receive until it is needed. A send with no
+  receive after it is posted at once.
+
+Sends are waited for at the end of the step (`flush`).
 
 Receives block the host until the payload has arrived, and fail after `timeout` with an error
 that names the peer. On CUDA, `Work.wait()` only makes the current stream wait, so the host polls
@@ -16,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,6 +34,21 @@ import torch.distributed as dist
 
 class PeerTimeoutError(RuntimeError):
     """A peer stage did not deliver (or accept) a message in time: it is dead, hung or too slow."""
+
+
+@dataclass(eq=False)
+class PostedRecv:
+    """A receive of one message: its buffer, and its work once posted."""
+
+    buffer: torch.Tensor
+    src: int
+    tag: int
+    what: str
+    work: dist.Work | None = None
+
+
+def _is_gloo(group: dist.ProcessGroup | None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "gloo"
 
 
 class Transport:
@@ -33,37 +59,64 @@ class Transport:
         rank: this process's global rank (for error messages).
         timeout: seconds any wait may take.
         poll: wait by polling `Work.is_completed()` (default: when `device` is CUDA).
+        early: post receives when `post_recv` is called and sends at once (default: on gloo);
+            otherwise pair each send with the next receive (NCCL).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, timeout: float,
-                 device: torch.device | None = None, poll: bool | None = None) -> None:
+                 device: torch.device | None = None, poll: bool | None = None, early: bool | None = None) -> None:
         self.group = group
         self.rank = rank
         self.timeout = timeout
         self.poll = poll if poll is not None else (device is not None and device.type == "cuda")
-        self.outbox: list[tuple[torch.Tensor, int]] = []  # sends waiting for the next receive
+        self.early = early if early is not None else _is_gloo(group)
+        self.outbox: list[tuple[torch.Tensor, int, int]] = []  # sends waiting for the next receive
         self.pending: list[tuple[dist.Work, torch.Tensor, int]] = []  # posted sends
+        self.posted: list[PostedRecv] = []  # receives posted early, not yet taken
         self.seconds_waiting = 0.0
 
-    def send(self, payload: torch.Tensor, dst: int, *, with_next_recv: bool = False) -> None:
-        """Queue `payload` for `dst`. With `with_next_recv`, it is posted together with this
-        process's next `recv` (the schedule's next action receives); otherwise at once."""
-        self.outbox.append((payload.contiguous(), dst))
-        if not with_next_recv:
+    def send(self, payload: torch.Tensor, dst: int, *, tag: int = 0, with_next_recv: bool = False) -> None:
+        """Queue `payload` for `dst`. With `with_next_recv` (and not `early`), it is posted
+        together with this process's next receive (the schedule's next action receives);
+        otherwise at once."""
+        self.outbox.append((payload.contiguous(), dst, tag))
+        if self.early or not with_next_recv:
             self._post([])
 
-    def recv(self, nbytes: int, src: int, device: torch.device, what: str) -> torch.Tensor:
-        """Post the queued sends and a receive of `nbytes` from `src`; block until it arrives."""
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    def post_recv(self, nbytes: int, src: int, device: torch.device, what: str, *, tag: int = 0) -> PostedRecv:
+        """A receive of `nbytes` from `src`, posted now when `early` (else when taken); take its
+        payload with `wait_recv`. Receives of one tag from one peer match its sends in order."""
+        posted = PostedRecv(torch.empty(nbytes, dtype=torch.uint8, device=device), src, tag, what)
+        if self.early:
+            try:
+                posted.work = self._post([self._irecv(posted)])[-1]
+            except RuntimeError as err:
+                raise self._error(f"posting the receive of {what} ({nbytes} bytes)", src, err) from err
+            self.posted.append(posted)
+        return posted
+
+    def wait_recv(self, posted: PostedRecv) -> torch.Tensor:
+        """Block until `posted` has arrived (posting it first, with the queued sends, if it was
+        not posted early); its payload, or `PeerTimeoutError` after `timeout` seconds."""
         start = time.perf_counter()
         try:
-            works = self._post([dist.P2POp(dist.irecv, buffer, peer=src, group=self.group)])
-            self._wait(works[-1], start)
+            if posted.work is None:
+                posted.work = self._post([self._irecv(posted)])[-1]
+            self._wait(posted.work, start)
         except (RuntimeError, TimeoutError) as err:
-            raise self._error(f"receiving {what} ({nbytes} bytes)", src, err) from err
+            raise self._error(f"receiving {posted.what} ({posted.buffer.numel()} bytes)", posted.src, err) from err
         finally:
             self.seconds_waiting += time.perf_counter() - start
-        return buffer
+            if posted in self.posted:
+                self.posted.remove(posted)
+        return posted.buffer
+
+    def recv(self, nbytes: int, src: int, device: torch.device, what: str, *, tag: int = 0) -> torch.Tensor:
+        """Receive `nbytes` from `src` now (with the queued sends posted first); block until it arrives."""
+        return self.wait_recv(self.post_recv(nbytes, src, device, what, tag=tag))
+
+    def _irecv(self, posted: PostedRecv) -> dist.P2POp:
+        return dist.P2POp(dist.irecv, posted.buffer, peer=posted.src, group=self.group, tag=posted.tag)
 
     def flush(self) -> None:
         """Post what is queued and wait until every send has been taken by its receiver."""
@@ -79,11 +132,16 @@ class Transport:
             self.pending.clear()
             self.outbox.clear()
             self.seconds_waiting += time.perf_counter() - start
+        if self.posted:
+            left = ", ".join(p.what for p in self.posted)
+            self.posted.clear()
+            raise RuntimeError(f"Rank {self.rank} ended a step with receives posted but never taken: {left}.")
 
     def _post(self, recvs: list[dist.P2POp]) -> list[dist.Work]:
         """Post the outbox's sends and `recvs` in one batch; keep the sends' works for `flush`.
         Returns the works of the batch (the receive's is last)."""
-        sends = [dist.P2POp(dist.isend, payload, peer=dst, group=self.group) for payload, dst in self.outbox]
+        sends = [dist.P2POp(dist.isend, payload, peer=dst, group=self.group, tag=tag)
+                 for payload, dst, tag in self.outbox]
         ops = sends + recvs
         if not ops:
             return []
@@ -92,7 +150,7 @@ class Transport:
             pairs = zip(works[:len(sends)], self.outbox, strict=True)
         else:  # NCCL may coalesce the batch into one work: every send completes with it
             pairs = ((works[-1], sent) for sent in self.outbox)
-        self.pending.extend((w, payload, dst) for w, (payload, dst) in pairs)
+        self.pending.extend((w, payload, dst) for w, (payload, dst, _) in pairs)
         self.outbox.clear()
         return works
 

@@ -96,7 +96,8 @@ def accumulate(out_dir: str, family: str) -> None:
 
 
 def memory_checksums(pipe) -> dict:
-    """Checksums of the AQ-SGD memory this rank holds: the sender's mirror and the receiver's."""
+    """Checksums of the AQ-SGD memory this rank holds (the sender's mirror and the receiver's) and
+    of a compressed tie's table."""
     sums = {}
     if pipe.forward_out is not None and hasattr(pipe.forward_out.sender.mirror, "memory"):
         mem = pipe.forward_out.sender.mirror.memory
@@ -104,6 +105,9 @@ def memory_checksums(pipe) -> dict:
     if pipe.forward_in is not None and hasattr(pipe.forward_in.receiver, "memory"):
         mem = pipe.forward_in.receiver.memory
         sums[f"boundary{pipe.stage_index - 1}.receiver"] = float(mem.values.double().sum()) if mem.values is not None else 0.0
+    tie = pipe.tie.compressor if pipe.tie is not None else None
+    if tie is not None:  # the compressed tie: the first stage's copy and the owner's mirror of it
+        sums[f"tie.{tie.table_name}"] = float(tie.table.double().sum())
     return sums
 
 
@@ -340,20 +344,25 @@ def hung_peer(out_dir: str) -> None:
     waiting by polling the work (the way the transport waits on CUDA)."""
     from hf_actcomp.pipeline.transport import Transport
 
+    names = ("poll1", "early", "poll0")
     if dist.get_rank() == 0:
-        for poll in (True, False):  # a gloo timeout closes the pair: poll first
-            transport = Transport(None, 0, timeout=2.0, poll=poll)
+        # a gloo timeout closes the pair: poll first. "early": a receive posted ahead (as the
+        # engine posts a step's receives at its start), taken later.
+        for name in names:
+            transport = Transport(None, 0, timeout=2.0, poll=name != "poll0", early=name == "early")
             start = time.perf_counter()
             try:
-                transport.recv(16, 1, torch.device("cpu"), "a message that never comes")
+                posted = transport.post_recv(16, 1, torch.device("cpu"), "a message that never comes", tag=2)
+                time.sleep(0.5 if name == "early" else 0.0)
+                transport.wait_recv(posted)
             except hf_actcomp.PeerTimeoutError as err:
-                with open(os.path.join(out_dir, f"poll{int(poll)}.json"), "w") as f:
+                with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
                     json.dump({"error": str(err), "seconds": time.perf_counter() - start,
                                "waiting": transport.seconds_waiting}, f)
         os._exit(0)  # the posted receive is abandoned with the process
-    deadline = time.monotonic() + 30  # alive (never sending) until rank 0 has reported both waits
+    deadline = time.monotonic() + 30  # alive (never sending) until rank 0 has reported every wait
     while time.monotonic() < deadline and not all(
-            os.path.exists(os.path.join(out_dir, f"poll{p}.json")) for p in (0, 1)):
+            os.path.exists(os.path.join(out_dir, f"{name}.json")) for name in names):
         time.sleep(0.2)
     time.sleep(0.5)
     os._exit(0)
