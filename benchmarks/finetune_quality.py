@@ -7,7 +7,7 @@ fine-tuned from that checkpoint on a different one (the source code of the stand
 top-level modules), once per compression setting, with the same data order, initialisation and
 seed. Reported per setting and seed: the final eval loss and perplexity on held-out stdlib code,
 with the plan's compression at inference and without it, bytes per step, and the training curve.
-The model's head is tied to its input embedding: three settings also compress the tie's rows
+The model's head is tied to its input embedding: six settings also compress the tie's rows
 (`Plan.tie_compression`, which the simulation emulates as the pipeline exchanges them); the
 others exchange them exactly, and every row reports the tie's bytes per step.
 
@@ -63,7 +63,8 @@ def settings() -> dict[str, tuple[Compression, Compression, Compression | None]]
             "aqsgd fw2/bw4 + tie quantize8": (*every["aqsgd fw2/bw4"], tie),
             "aqsgd fw4/bw8 + tie quantize8": (*every["aqsgd fw4/bw8"], tie),
             "aqsgd fw2/bw4 warm-up h4 + tie quantize8": (*every["aqsgd fw2/bw4 warm-up h4"], tie),
-            "aqsgd fw4/bw8 warm-up h4 + tie quantize8": (*every["aqsgd fw4/bw8 warm-up h4"], tie)}
+            "aqsgd fw4/bw8 warm-up h4 + tie quantize8": (*every["aqsgd fw4/bw8 warm-up h4"], tie),
+            "aqsgd fw2/bw4 warm-up h4 + tie quantize4": (*every["aqsgd fw2/bw4 warm-up h4"], q(4))}
     return {**{name: (*every[name], None) for name in order}, **ties}
 
 

@@ -51,6 +51,7 @@ METHODS: dict[str, tuple | None] = {
     # Compressed warm-up (first visits Hadamard-4) and 8-bit tied-embedding rows.
     "ours, AQ-SGD fw4/bw8, warm-up h4, tie q8": (warm(4), q(8), q(8)),
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q8": (warm(2), q(4), q(8)),
+    "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4": (warm(2), q(4), q(4)),
     "ours, Hadamard fw4/bw8, tie q8": (h(4), h(8), q(8)),
 }
 UNCOMPRESSED = (PEER, BASE)
@@ -160,8 +161,11 @@ def run(name: str, data, args) -> dict:
     clock, step = Clock(), 0
     epochs = args.epochs if name in UNCOMPRESSED else args.max_epochs
     after_first_epoch = None
+    stop = args.stop_below if name not in UNCOMPRESSED else None
     clock.start()
     for epoch in range(epochs):
+        if stop is not None and curve[-1]["eval_loss"] <= stop:
+            break
         if epoch == 1 and name != PEER:  # AQ-SGD's memory is full from here on: the steady state
             clock.stop()
             after_first_epoch = (step, pipe.stats(gather=True))
@@ -178,6 +182,8 @@ def run(name: str, data, args) -> dict:
                 clock.stop()
                 curve.append(dict(seconds=clock.seconds, step=step, eval_loss=evaluate(state())))
                 clock.start()
+                if stop is not None and curve[-1]["eval_loss"] <= stop:
+                    break
     clock.stop()
     if name == PEER:  # fp32 activations and their gradients, and the ring all-reduce of the tie on 2 ranks
         hidden = model.config.hidden_size
@@ -186,8 +192,9 @@ def run(name: str, data, args) -> dict:
     else:
         stats = pipe.stats(gather=True)
         traffic = dict(bytes_per_step=stats["bytes_sent"] / step, byte_ratio=stats["compression_ratio"],
-                       steady_state=steady_state(stats, *after_first_epoch, step))
+                       steady_state=steady_state(stats, *after_first_epoch, step) if after_first_epoch else None)
     return dict(method=name, steps=step, epochs=epochs, train_seconds=clock.seconds, curve=curve,
+                stopped_at_target=stop is not None and curve[-1]["eval_loss"] <= stop,
                 final_eval_loss=curve[-1]["eval_loss"],
                 other_cpu_share=clock.other_cpu_share(), **traffic)
 
@@ -228,6 +235,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--stop_below", type=float, default=None,
+                   help="compressed methods stop at the first evaluation at or below this loss")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
