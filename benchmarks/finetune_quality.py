@@ -15,7 +15,8 @@ others exchange them exactly, and every row reports the tie's bytes per step.
                                                                     # the two warm-up settings were added
     .venv/bin/python benchmarks/finetune_quality.py --seeds 0 --quick
 
-Writes benchmarks/results/finetune_quality.{json,md,png}.
+Writes benchmarks/results/finetune_quality.{json,md,png} (`--name` another name; `--merge` keeps the saved rows
+of settings and seeds not run again).
 """
 
 from __future__ import annotations
@@ -192,8 +193,9 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def write_outputs(rows: list[dict], summary: list[dict], meta: dict) -> None:
+    name = meta["args"].get("name", "finetune_quality")
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "finetune_quality.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "summary": summary, "rows": rows}, f, indent=1)
     a = meta["args"]
     lines = [
@@ -215,7 +217,7 @@ def write_outputs(rows: list[dict], summary: list[dict], meta: dict) -> None:
             f"[{s['eval_loss_min']:.4f}-{s['eval_loss_max']:.4f}] | {gap} | {s['eval_loss_compressed']:.4f} | "
             f"{math.exp(s['eval_loss']):.2f} | {s['bytes_per_step'] / 1e6:.3f} | {s['compression_ratio']:.1f}x "
             f"| {tie_mb} |")
-    with open(os.path.join(RESULTS, "finetune_quality.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib
@@ -234,14 +236,15 @@ def write_outputs(rows: list[dict], summary: list[dict], meta: dict) -> None:
     ax.set_title(f"Fine-tuning under boundary compression (seed {seed})")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "finetune_quality.png"), dpi=110)
+    fig.savefig(os.path.join(RESULTS, f"{name}.png"), dpi=110)
 
 
-def replot() -> None:
+def replot(name: str) -> None:
     """Rewrite the table and plot from the saved JSON (no training)."""
-    with open(os.path.join(RESULTS, "finetune_quality.json")) as f:
+    with open(os.path.join(RESULTS, f"{name}.json")) as f:
         saved = json.load(f)
-    write_outputs(saved["rows"], saved["summary"], saved["meta"])
+    saved["meta"]["args"]["name"] = name
+    write_outputs(saved["rows"], summarise(saved["rows"]), saved["meta"])
 
 
 def main(argv=None) -> None:
@@ -257,13 +260,14 @@ def main(argv=None) -> None:
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--only", nargs="*", default=None, help="run only these settings")
+    p.add_argument("--name", default="finetune_quality", help="results file name in benchmarks/results/")
     p.add_argument("--merge", action="store_true",
                    help="keep the saved rows of settings and seeds not run again (with --only)")
     p.add_argument("--quick", action="store_true", help="1 pre-training epoch, 2 fine-tuning epochs, 3 settings")
     p.add_argument("--replot", action="store_true", help="only rewrite the table and plot from the saved JSON")
     args = p.parse_args(argv)
     if args.replot:
-        replot()
+        replot(args.name)
         return
     if args.quick:
         args.pretrain_epochs, args.epochs, args.train_samples = 1, 2, 128
@@ -282,8 +286,8 @@ def main(argv=None) -> None:
     meta = {"args": vars(args), "torch": torch.__version__, "python": platform.python_version(),
             "machine": platform.machine(), "threads": torch.get_num_threads(),
             "train_blocks": len(ft_train), "eval_blocks": len(ft_eval)}
-    if args.merge and os.path.exists(os.path.join(RESULTS, "finetune_quality.json")):
-        with open(os.path.join(RESULTS, "finetune_quality.json")) as f:
+    if args.merge and os.path.exists(os.path.join(RESULTS, f"{args.name}.json")):
+        with open(os.path.join(RESULTS, f"{args.name}.json")) as f:
             saved = json.load(f)
         again = {(r["setting"], r["seed"]) for r in rows}
         rows = [r for r in saved["rows"] if (r["setting"], r["seed"]) not in again] + rows

@@ -67,6 +67,15 @@ def test_estimate_bytes_and_time(tmp_path, capsys):
     assert first["aqsgd_memory_bytes"] == 1000 * 16 * 64 * 2 and first["aqsgd_memory_store"] == "host of stage 1"
     assert result["expected_speedup"] == pytest.approx(
         (0.5 + 2 * 2 * raw * 8 / 10e6) / (0.5 + result["link_seconds_per_step"]))
+    # Overlapped at 10 Mbit/s both steps are compute-bound: compression buys nothing there.
+    assert result["step_seconds_overlapped"] == result["step_seconds_overlapped_uncompressed"] == 0.5
+    assert main([*args[:9], "--link", "50kbit", *args[11:]]) == 0  # link-bound: 5.2 s of fp32 one way
+    slow = json.loads(capsys.readouterr().out)
+    assert slow["step_seconds_overlapped_uncompressed"] == pytest.approx(raw * 8 / 50e3)
+    busiest = first["backward_bytes"]  # 8-bit gradients outweigh 4-bit activations
+    assert busiest > first["forward_bytes"] and busiest * 8 / 50e3 > 0.5
+    assert slow["step_seconds_overlapped"] == pytest.approx(busiest * 8 / 50e3)
+    assert slow["expected_speedup_overlapped"] == pytest.approx(raw / busiest)
     assert main(args[:-1]) == 0  # the table
     out = capsys.readouterr().out
     assert "expected step time" in out and "first visits uncompressed" in out
