@@ -181,7 +181,9 @@ def overlap_bound(r: dict, loopback: dict | None) -> None:
     """Where the step's time goes, against what overlap allows: compute (the same method's step
     on loopback), link (the busier direction's bytes at the link rate: the two directions of a
     full-duplex link run in parallel), and the measured step over max(compute, link). With
-    perfect overlap that ratio is 1; without any it approaches (compute + link) / max(...)."""
+    perfect overlap that ratio is 1. Without any overlap the step is about compute plus every
+    byte of the step, both directions one after the other, at the link's rate (what the engine
+    measured before its receives were posted early)."""
     mbit = link_mbit(r["link"])
     if mbit is None or loopback is None or not r.get("rank_bytes_per_step"):
         return
@@ -190,7 +192,7 @@ def overlap_bound(r: dict, loopback: dict | None) -> None:
     bound = max(r["compute_seconds"], r["link_seconds"])
     r["regime"] = "link-bound" if r["link_seconds"] > r["compute_seconds"] else "compute-bound"
     r["measured_over_bound"] = r["seconds_per_step"] / bound
-    r["serial_over_bound"] = (r["compute_seconds"] + r["link_seconds"]) / bound
+    r["serial_over_bound"] = (r["compute_seconds"] + r["bytes_per_step"] * 8 / (mbit * 1e6)) / bound
 
 
 def convergence_losses() -> dict[str, float]:
@@ -287,10 +289,11 @@ def write(rows: list[dict], args) -> None:
             "Where the time goes, per step (median round). Compute: the same model and method on loopback "
             "(computing, encoding, and the pipeline's bubbles). Link: the bytes of the busier direction at the "
             "link's rate (the veth pair is full duplex; TCP/IP headers not included). A step cannot be shorter "
-            "than max(compute, link); without overlap it would be about compute + link. Regime: which of the "
-            "two is larger. Waiting: each stage's share of its step spent blocked on its peer.",
+            "than max(compute, link); without overlap it would be about compute + all the step's bytes at the "
+            "link's rate (arithmetic). Regime: which of compute and link is larger. Waiting: each stage's share of "
+            "its step spent blocked on its peer.",
             ["link", "model", "method", "regime", "compute s", "link s", "measured s/step",
-             "measured / max(compute, link)", "no overlap would be", "waiting stage 0 / 1"])
+             "measured / max(compute, link)", "no overlap: (compute + all bytes) / max", "waiting stage 0 / 1"])
         for r in bounded:
             wait = r.get("waiting_fraction") or {}
             waits = " / ".join(f"{100 * wait[k]:.0f}%" for k in sorted(wait)) if wait else ""

@@ -12,6 +12,10 @@ whose loss is at most the target plus `--tolerance` (relative). Needs root (name
 `--loopback` runs on 127.0.0.1 instead (no root, no shaping: a smoke test).
 
     sudo .venv/bin/python benchmarks/time_to_quality.py              # 100 Mbit/s, 3 rounds, ~35 minutes
+    sudo OMP_NUM_THREADS=1 .venv/bin/python benchmarks/time_to_quality.py --rate 10 --stop_at_target 4.4803 \
+        --name time_to_quality_10mbit --methods "torch.distributed.pipelining" "ours, uncompressed" \
+        "ours, AQ-SGD fw2/bw4, warm-up h4, tie q8" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" \
+        "ours, Hadamard fw4/bw8, tie q8"                             # the link-bound run, ~30 minutes
     .venv/bin/python benchmarks/time_to_quality.py --quick --loopback  # a smoke run
     .venv/bin/python benchmarks/time_to_quality.py --replot          # table and plot from the saved JSON
 
