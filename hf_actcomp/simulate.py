@@ -29,7 +29,7 @@ from .models.router import RouterLoss, router_spec
 from .models.split import stage_ranges
 from .plan import Plan
 from .telemetry import ChannelStats, TrafficCounter, summarize
-from .tie import TieCompressor
+from .tie import TieCompressor, exact_rows_nbytes
 
 # Keyword arguments that HF training loops pass and that do not change the computation here.
 _IGNORED_KWARGS = frozenset({"return_dict", "use_cache", "output_attentions", "output_hidden_states"})
@@ -57,7 +57,7 @@ class _TiedRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, rows, tie: TieCompressor, counter: TrafficCounter | None):
         payload, _ = tie.encode_rows(weight, rows)
-        raw = rows.numel() * weight.shape[1] * weight.element_size()
+        raw = exact_rows_nbytes(rows.numel(), weight)
         if counter is not None:
             counter.add(payload.numel(), raw)
         ctx.tie, ctx.rows, ctx.counter, ctx.raw = tie, rows, counter, raw

@@ -38,6 +38,12 @@ from .plan import Compression
 ROLES = ("owner", "first", "both")
 
 
+def exact_rows_nbytes(num_rows: int, weight: torch.Tensor) -> int:
+    """Bytes of `num_rows` rows of `weight` sent exactly (its dtype): the uncompressed size of a
+    tie payload, either direction."""
+    return num_rows * weight.shape[1] * weight.element_size()
+
+
 class TieCompressor:
     """One end (`owner`: the last stage, `first`: the first stage) or, in one process, both ends
     (`both`) of the compressed tied-embedding exchange.

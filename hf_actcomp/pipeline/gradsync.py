@@ -35,7 +35,7 @@ from torch import nn
 from ..dp.base import ring_allreduce_bytes
 from ..plan import Compression
 from ..telemetry import TrafficCounter
-from ..tie import TieCompressor
+from ..tie import TieCompressor, exact_rows_nbytes
 from .mesh import PipelineMesh
 from .transport import Transport
 
@@ -75,19 +75,15 @@ class TiedEmbedding:
         """The distinct token ids of a batch, sorted: the rows both ends exchange."""
         return torch.unique(input_ids.reshape(-1))
 
-    def _raw_nbytes(self, count: int) -> int:
-        """Bytes of `count` rows sent exactly (the weight's dtype)."""
-        return count * self.param.shape[1] * self.param.element_size()
-
     def _send(self, payload: torch.Tensor, count: int, counter: TrafficCounter | None = None) -> None:
         payload = payload.contiguous().view(-1).view(torch.uint8)
-        (counter or self.counter).add(payload.numel(), self._raw_nbytes(count))
+        (counter or self.counter).add(payload.numel(), exact_rows_nbytes(count, self.param))
         self.transport.send(payload, self.peer)
 
     def _recv(self, count: int, what: str) -> torch.Tensor:
         """The next payload of `count` rows from the peer (uint8; exact rows, or the codec's)."""
         if self.compressor is None:
-            nbytes = self._raw_nbytes(count)
+            nbytes = exact_rows_nbytes(count, self.param)
         else:
             nbytes = self.compressor.payload_nbytes(count, self.param.shape[1], self.param.dtype)
             what = f"compressed {what}"
