@@ -14,6 +14,7 @@ import torch
 
 from .feedback import build_inference_codec, build_receiver, build_sender
 from .plan import Compression, MemoryConfig
+from .state_dict import prefixed, unprefixed  # re-exported: existing callers import them here
 from .telemetry import ChannelStats
 
 
@@ -96,14 +97,3 @@ class Boundary:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for part, end in self.ends().items():
             end.load_state_dict(unprefixed(state, part))
-
-
-def prefixed(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """`state` with `prefix.` in front of every key."""
-    return {f"{prefix}.{k}": v for k, v in state.items()}
-
-
-def unprefixed(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """The entries of `state` under `prefix.`, with the prefix removed."""
-    head = f"{prefix}."
-    return {k[len(head):]: v for k, v in state.items() if k.startswith(head)}

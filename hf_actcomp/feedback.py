@@ -20,6 +20,7 @@ import torch
 from .codecs import Codec, make_codec
 from .memory import MemoryStore, check_sample_ids
 from .plan import Compression, MemoryConfig
+from .state_dict import prefixed, unprefixed
 
 logger = logging.getLogger(__name__)
 
@@ -99,14 +100,12 @@ class EF21Receiver(Receiver):
 
     def state_dict(self):
         state = super().state_dict()
-        state.update({f"estimate.{slot}": g for slot, g in self.estimates.items()})
+        state.update(prefixed(self.estimates, "estimate"))
         return state
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
-        self.estimates = {
-            int(k.split(".", 1)[1]): v.clone().float() for k, v in state.items() if k.startswith("estimate.")
-        }
+        self.estimates = {int(slot): g.clone().float() for slot, g in unprefixed(state, "estimate").items()}
 
 
 class AQSGDReceiver(Receiver):
@@ -166,13 +165,13 @@ class AQSGDReceiver(Receiver):
     def state_dict(self):
         state = super().state_dict()
         state.update(_codec_state("first_codec", self.first_codec))
-        state.update({f"memory.{k}": v for k, v in self.memory.state_dict().items()})
+        state.update(prefixed(self.memory.state_dict(), "memory"))
         return state
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
         _load_codec_state("first_codec", self.first_codec, state)
-        self.memory.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("memory.")})
+        self.memory.load_state_dict(unprefixed(state, "memory"))
 
 
 # ---------------------------------------------------------------------------------- senders
@@ -200,13 +199,13 @@ class Sender:
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = _codec_state("codec", self.codec)
         if self.mirror is not None:
-            state.update({f"mirror.{k}": v for k, v in self.mirror.state_dict().items()})
+            state.update(prefixed(self.mirror.state_dict(), "mirror"))
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         _load_codec_state("codec", self.codec, state)
         if self.mirror is not None:
-            self.mirror.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("mirror.")})
+            self.mirror.load_state_dict(unprefixed(state, "mirror"))
 
 
 class EFSender(Sender):
@@ -228,12 +227,12 @@ class EFSender(Sender):
 
     def state_dict(self):
         state = super().state_dict()
-        state.update({f"error.{slot}": e for slot, e in self.errors.items()})
+        state.update(prefixed(self.errors, "error"))
         return state
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
-        self.errors = {int(k.split(".", 1)[1]): v.clone().float() for k, v in state.items() if k.startswith("error.")}
+        self.errors = {int(slot): e.clone().float() for slot, e in unprefixed(state, "error").items()}
 
 
 class EF21Sender(Sender):
@@ -319,10 +318,10 @@ def build_sender(compression: Compression, memory: MemoryConfig | None = None, n
 
 
 def _codec_state(prefix: str, codec: Codec) -> dict[str, torch.Tensor]:
-    return {f"{prefix}.{k}": torch.tensor(v) for k, v in codec.state_dict().items()}
+    return prefixed({k: torch.tensor(v) for k, v in codec.state_dict().items()}, prefix)
 
 
 def _load_codec_state(prefix: str, codec: Codec, state: dict[str, torch.Tensor]) -> None:
-    own = {k.split(".", 1)[1]: v.item() for k, v in state.items() if k.startswith(f"{prefix}.")}
+    own = {k: v.item() for k, v in unprefixed(state, prefix).items()}
     if own:
         codec.load_state_dict(own)
