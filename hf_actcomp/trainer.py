@@ -23,24 +23,18 @@ from typing import Any
 
 import datasets
 import torch
-import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker, speed_metrics
 
 from . import hub
+from .batching import count_label_tokens
 from .data import SAMPLE_ID, add_sample_ids
-from .models import unwrap_peft
-from .pipeline import prepare
-from .pipeline.batching import count_label_tokens
 from .pipeline.checkpointing import COMPRESSION_STATE_DIR
 from .plan import Plan
-from .simulate import simulate
 from .trackers import check_trackers
-
-OPTIMIZER_FILE = "optimizer-rank{rank}.pt"
-SCHEDULER_FILE = "scheduler.pt"
+from .trainer_backends import backend_for
 
 
 class PadToLength:
@@ -112,35 +106,32 @@ class ActCompTrainer(Trainer):
             if plan.data_parallel > 1:
                 _check_ids_are_rows(train_dataset, plan)
         autocast_dtype = torch.bfloat16 if args.bf16 else None
-        pipe = None
-        if isinstance(model, (str, os.PathLike)):
-            if args.world_size == 1:
-                model = AutoModelForCausalLM.from_pretrained(model, **({"dtype": torch_dtype} if torch_dtype else {}))
-            else:  # this rank's stage only; the rest of the model stays on the meta device
-                pipe = prepare(model, plan, timeout=timeout, autocast_dtype=autocast_dtype, torch_dtype=torch_dtype)
-                model = pipe.model
-        elif torch_dtype is not None:
-            raise ValueError("torch_dtype applies when ActCompTrainer loads a checkpoint given by name or path; "
-                             "convert an in-memory model with model.to(dtype) instead.")
+        # Before Trainer.__init__: with several processes a checkpoint given by name is loaded
+        # stage by stage, and Trainer must not move the model.
+        self._backend = backend_for(args.world_size)(self, super(), plan, timeout=timeout,
+                                                     autocast_dtype=autocast_dtype)
+        model = self._backend.load(model, torch_dtype)
         super().__init__(model=model, args=args, **kwargs)
         self.plan = plan
-        self.pipe = None
-        self.sim = None
-        if self.args.world_size == 1:
-            self.sim = simulate(self.model, plan)
-        else:
-            self.pipe = pipe or prepare(self.model, plan, timeout=timeout, autocast_dtype=autocast_dtype)
+        self._backend.start()
         self._train_collator = self.data_collator
         if aqsgd and train_dataset is not None:
             length = pad_to_length or _longest_row(train_dataset)
             pad_id = getattr(self.processing_class, "pad_token_id", None)
             self._train_collator = PadToLength(self.data_collator, length, pad_id if pad_id is not None else 0)
 
+    @property
+    def sim(self):
+        """The in-process stages (`SimulatedPipeline`) in one process, else None."""
+        return self._backend.sim
+
+    @property
+    def pipe(self):
+        """This rank's `Pipeline` with several processes, else None."""
+        return self._backend.pipe
+
     def _move_model_to_device(self, model, device) -> None:
-        """With several processes the pipeline places only this rank's stage on its device (the
-        other stages may not even be loaded); in one process, as Trainer does."""
-        if self.args.world_size == 1:
-            super()._move_model_to_device(model, device)
+        self._backend.move_model_to_device(model, device)
 
     # ------------------------------------------------------------------------- data
     def _set_signature_columns_if_needed(self) -> None:
@@ -158,12 +149,7 @@ class ActCompTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
             collator = self._get_collator_with_removed_columns(collator, description=description)
-        replicas, index = (self.pipe.num_replicas, self.pipe.replica) if self.pipe and is_training else (1, 0)
-        shards = replicas
-        if replicas > 1 and self.pipe.sample_range is not None:
-            # AQ-SGD: a fixed contiguous shard per replica, whose sample ids its memory holds
-            # (Trainer's shuffle then runs within the shard), instead of batches dealt round-robin.
-            dataset, shards = self.pipe.shard_dataset(dataset), 1
+        dataset, shards, index = self._backend.training_shard(dataset) if is_training else (dataset, 1, 0)
         workers = self.args.dataloader_num_workers
         params: dict[str, Any] = {"batch_size": batch_size, "collate_fn": collator, "num_workers": workers,
                                   "pin_memory": self.args.dataloader_pin_memory}
@@ -184,58 +170,33 @@ class ActCompTrainer(Trainer):
         )
 
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
-        replicas = self.pipe.num_replicas if getattr(self, "pipe", None) is not None else 1
-        return args.per_device_train_batch_size * args.gradient_accumulation_steps * replicas
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self._backend.num_replicas
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
-        """Label tokens of the optimizer step over every replica (not over every rank: the
-        stages of one pipeline read the same batch)."""
-        if self.pipe is None:
-            return super()._get_num_items_in_batch(batch_samples, device)
-        if not batch_samples or "labels" not in batch_samples[0]:
-            return None
-        # Counted as Trainer counts (shifted only when it knows the loss shifts), so that the
-        # logged loss equals plain Trainer's on the unsplit model.
-        shifted = self._loss_shifts_labels
-        local = sum(int(((b["labels"][..., 1:] if shifted else b["labels"]) != -100).sum()) for b in batch_samples)
-        return self.pipe.count_over_replicas(local)
+        """Label tokens of the optimizer step, as Trainer counts them, over the replicas (not the
+        ranks: the stages of one pipeline read the same batch)."""
+        return self._backend.num_items_in_batch(batch_samples, device)
 
     # ------------------------------------------------------------------------- training
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         # Not `self.model`: Trainer then skips accelerator.prepare(model), whose DDP would span
         # every rank although ranks hold different stages.
-        return self.pipe if self.pipe is not None else self.sim
+        return self._backend.runner
 
     def create_optimizer(self, model=None):
-        return super().create_optimizer(self.pipe.stage if self.pipe is not None else model)
+        return super().create_optimizer(self._backend.optimized_module(model))
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
-        # Accelerate autocasts only a model it prepared; the simulation is not prepared.
-        if self.sim is not None and self.args.bf16:
-            return torch.autocast(self.args.device.type, dtype=torch.bfloat16, cache_enabled=cache_enabled)
-        return super().autocast_smart_context_manager(cache_enabled)
+        return self._backend.autocast(cache_enabled)
 
     def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
-        if self.pipe is None:
-            return super().training_step(model, inputs, num_items_in_batch)
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        out = self.pipe.train_step(inputs, num_items_in_batch=num_items_in_batch,
-                                   sync=self.accelerator.sync_gradients)
-        loss = out.loss.detach()
-        if num_items_in_batch is None:
-            loss = loss / self.current_gradient_accumulation_steps
-        return loss.to(self.args.device)
+        return self._backend.training_step(model, inputs, num_items_in_batch)
 
     def _clip_grad_norm(self, model):
-        if self.pipe is None:
-            return super()._clip_grad_norm(model)
-        return self.pipe.clip_grad_norm_(self.args.max_grad_norm)
+        return self._backend.clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        if self.pipe is not None and grad_norm is None:
-            grad_norm = self.pipe.clip_grad_norm_(float("inf"))
-        return super()._get_grad_norm(model, grad_norm)
+        return super()._get_grad_norm(model, self._backend.grad_norm(grad_norm))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer's logs, with the compression statistics at every training logging step."""
@@ -248,7 +209,7 @@ class ActCompTrainer(Trainer):
         ratio, bytes sent and relative error per boundary direction (cumulative) and,
         distributed, each stage's seconds computing vs waiting. Collective over the pipeline
         when distributed."""
-        stats = self.pipe.stats(gather=True) if self.pipe is not None else self.sim.stats()
+        stats = self._backend.stats()
         logs = {"comm/bytes_sent": stats["bytes_sent"], "comm/bytes_uncompressed": stats["bytes_uncompressed"],
                 "comm/compression_ratio": stats["compression_ratio"]}
         for name, channel in stats["channels"].items():
@@ -290,46 +251,17 @@ class ActCompTrainer(Trainer):
         sums, tokens, rows = [0.0, 0.0], 0, 0
         for batch in loader:
             n = count_label_tokens(batch["labels"])
-            if self.pipe is not None:
-                losses = [self.pipe.eval_step(batch, compress=c).loss for c in (True, False)]
-            else:
-                losses = self._simulated_eval_losses(batch)
-            for i, loss in enumerate(losses):
+            for i, loss in enumerate(self._backend.eval_losses(batch)):
                 sums[i] += float(loss) * n
             tokens += n
             rows += batch["input_ids"].shape[0]
         return sums[0] / max(tokens, 1), sums[1] / max(tokens, 1), rows
 
-    def _simulated_eval_losses(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        plain_inputs = {k: v for k, v in batch.items() if k != SAMPLE_ID}
-        was_training = self.model.training
-        self.sim.eval()
-        try:
-            with self.autocast_smart_context_manager():
-                return [self.sim(**batch).loss, self.model(**plain_inputs).loss]
-        finally:
-            self.sim.train(was_training)
-
     # ------------------------------------------------------------------------- saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The trained model (or, for PEFT, the adapter) as one `from_pretrained` checkpoint,
         with the plan (`actcomp_config.json`). Collective when distributed: call on every rank."""
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if self.pipe is None:
-            super().save_model(output_dir, _internal_call)
-            if self.args.should_save:
-                self.plan.save_pretrained(output_dir)
-                hub.save_run(output_dir, stats=self.sim.stats(), blocks=[[r.start, r.stop] for r in self.sim.ranges],
-                             base_model=getattr(unwrap_peft(self.model), "name_or_path", None), **self._run_results())
-            return
-        # One collective save: every stage's shard, and the card with this run's results.
-        self.pipe.save_pretrained(output_dir, model=self.model, results=self._run_results())
-        if self.args.should_save:
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
-            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-        if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        self._backend.save_model(output_dir if output_dir is not None else self.args.output_dir, _internal_call)
 
     def _run_results(self) -> dict:
         """What the card shows besides the traffic: the latest eval metrics, the log history."""
@@ -353,46 +285,22 @@ class ActCompTrainer(Trainer):
         output_dir = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.save_only_model:
             return
-        state_dir = os.path.join(output_dir, COMPRESSION_STATE_DIR)
-        if self.pipe is not None:
-            self.pipe.save_compression_state(state_dir)
-        elif self.args.should_save:
-            self.sim.save_compression_state(state_dir)
+        self._backend.save_compression_state(os.path.join(output_dir, COMPRESSION_STATE_DIR))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self.pipe is None:
-            return super()._save_optimizer_and_scheduler(output_dir)
-        # Each rank optimises its own stage: one optimizer file per rank.
-        os.makedirs(output_dir, exist_ok=True)
-        torch.save(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_FILE.format(rank=dist.get_rank())))
-        if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+        self._backend.save_optimizer_and_scheduler(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        if self.pipe is None:
-            super()._load_optimizer_and_scheduler(checkpoint)
-        else:
-            path = os.path.join(checkpoint, OPTIMIZER_FILE.format(rank=dist.get_rank()))
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path} is missing: was {checkpoint} saved by a run with "
-                                        f"{self.plan.world_size} processes?")
-            self.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
-        state_dir = os.path.join(checkpoint, COMPRESSION_STATE_DIR)
-        if os.path.isdir(state_dir):
-            (self.pipe or self.sim).load_compression_state(state_dir)
+        self._backend.load_optimizer_and_scheduler(checkpoint)
+        self._backend.load_compression_state(os.path.join(checkpoint, COMPRESSION_STATE_DIR))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        if self.pipe is None:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self.pipe.load_stage_weights(resume_from_checkpoint)
+        self._backend.load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self) -> None:
-        if self.pipe is None:
-            return super()._load_best_model()
-        self.pipe.load_stage_weights(self.state.best_model_checkpoint)
+        self._backend.load_best_model()
 
 
 # ----------------------------------------------------------------------------- checks and helpers

@@ -20,6 +20,7 @@ import hf_actcomp
 from hf_actcomp import ActCompTrainer, Compression, MemoryConfig, Plan
 from hf_actcomp.debug import debug_model
 from hf_actcomp.trainer import PadToLength, _check_arguments
+from hf_actcomp.trainer_backends import OneProcess, Pipelined
 
 
 def _logged(trainer, key: str) -> list[float]:
@@ -67,6 +68,14 @@ def test_in_process_matches_plain_trainer(tmp_path):
     metrics = trainer.evaluate()
     assert metrics["eval_loss"] == pytest.approx(metrics["eval_plain_loss"], rel=1e-5)  # identity codec
     assert metrics["eval_perplexity"] == pytest.approx(torch.tensor(metrics["eval_loss"]).exp().item(), rel=1e-6)
+
+
+def test_backends_offer_the_same_methods():
+    """ActCompTrainer calls its back-end without asking which it holds: both offer one interface."""
+    def interface(cls):
+        return {name for name in dir(cls) if not name.startswith("_")}
+
+    assert interface(OneProcess) == interface(Pipelined)
 
 
 def test_model_given_by_path_in_one_process(tmp_path):

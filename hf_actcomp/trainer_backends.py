@@ -1,0 +1,272 @@
+"""`ActCompTrainer`'s two back-ends: the plan's stages in this process, or one stage per rank.
+
+`ActCompTrainer` calls the same methods on either, without asking which it holds; each class
+holds only what its mode does differently:
+
+- `OneProcess`: the stages run in-process (`simulate`); everything else is Trainer's own (its
+  training step, clipping, saving and loading), reached through `base`, the trainer's `super()`.
+- `Pipelined`: this rank's stage of a `Pipeline` (`prepare`); Trainer's loop drives
+  `Pipeline.train_step`, the global clip norm, per-rank optimizer files and per-stage weights.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from . import hub
+from .data import SAMPLE_ID
+from .models import unwrap_peft
+from .pipeline import prepare
+from .plan import Plan
+from .simulate import simulate
+
+OPTIMIZER_FILE = "optimizer-rank{rank}.pt"
+SCHEDULER_FILE = "scheduler.pt"
+
+
+class Backend:
+    """What both modes share: the plan, the trainer (and its `super()`, `base`), the model given by
+    object or by name, and the runner (`sim` or `pipe`) the Trainer loop wraps.
+
+    Built before `Trainer.__init__` (which already moves the model), started after it."""
+
+    sim = None  # the in-process stages (OneProcess)
+    pipe = None  # this rank's Pipeline (Pipelined)
+    runner = None  # whichever of the two this mode has: what Trainer's loop wraps, what holds the state
+
+    def __init__(self, trainer, base, plan: Plan, *, timeout: float, autocast_dtype: torch.dtype | None) -> None:
+        self.trainer = trainer
+        self.base = base
+        self.plan = plan
+        self.timeout = timeout
+        self.autocast_dtype = autocast_dtype
+
+    def load(self, model, torch_dtype: torch.dtype | None):
+        """The model Trainer gets: `model` itself, or the checkpoint it names."""
+        if isinstance(model, (str, os.PathLike)):
+            return self._load_named(model, torch_dtype)
+        if torch_dtype is not None:
+            raise ValueError("torch_dtype applies when ActCompTrainer loads a checkpoint given by name or path; "
+                             "convert an in-memory model with model.to(dtype) instead.")
+        return model
+
+    def load_compression_state(self, state_dir: str) -> None:
+        if os.path.isdir(state_dir):
+            self.runner.load_compression_state(state_dir)
+
+
+class OneProcess(Backend):
+    """The plan's stages in this process (`simulate`), under Trainer's own loop."""
+
+    num_replicas = 1
+
+    def _load_named(self, name, torch_dtype):
+        return AutoModelForCausalLM.from_pretrained(name, **({"dtype": torch_dtype} if torch_dtype else {}))
+
+    @property
+    def sim(self):
+        return self.runner
+
+    def start(self) -> None:
+        self.runner = simulate(self.trainer.model, self.plan)
+
+    def move_model_to_device(self, model, device) -> None:
+        self.base._move_model_to_device(model, device)
+
+    # -- data and loss
+    def training_shard(self, dataset):
+        """(data set, number of shards, this shard): every batch, in this process."""
+        return dataset, 1, 0
+
+    def num_items_in_batch(self, batch_samples: list, device: torch.device):
+        return self.base._get_num_items_in_batch(batch_samples, device)
+
+    # -- training
+    def optimized_module(self, model):
+        return model
+
+    def autocast(self, cache_enabled: bool | None):
+        # Accelerate autocasts only a model it prepared; the simulation is not prepared.
+        if self.trainer.args.bf16:
+            return torch.autocast(self.trainer.args.device.type, dtype=torch.bfloat16, cache_enabled=cache_enabled)
+        return self.base.autocast_smart_context_manager(cache_enabled)
+
+    def training_step(self, model, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
+        return self.base.training_step(model, inputs, num_items_in_batch)
+
+    def clip_grad_norm(self, model):
+        return self.base._clip_grad_norm(model)
+
+    def grad_norm(self, grad_norm):
+        return grad_norm
+
+    def stats(self) -> dict:
+        return self.sim.stats()
+
+    # -- evaluation
+    def eval_losses(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """[through the codecs, without them]: the simulation, and the model itself."""
+        trainer = self.trainer
+        plain_inputs = {k: v for k, v in batch.items() if k != SAMPLE_ID}
+        was_training = trainer.model.training
+        self.sim.eval()
+        try:
+            with trainer.autocast_smart_context_manager():
+                return [self.sim(**batch).loss, trainer.model(**plain_inputs).loss]
+        finally:
+            self.sim.train(was_training)
+
+    # -- saving and loading
+    def save_model(self, output_dir: str, _internal_call: bool) -> None:
+        trainer = self.trainer
+        self.base.save_model(output_dir, _internal_call)
+        if trainer.args.should_save:
+            self.plan.save_pretrained(output_dir)
+            hub.save_run(output_dir, stats=self.sim.stats(), blocks=[[r.start, r.stop] for r in self.sim.ranges],
+                         base_model=getattr(unwrap_peft(trainer.model), "name_or_path", None),
+                         **trainer._run_results())
+
+    def save_compression_state(self, state_dir: str) -> None:
+        if self.trainer.args.should_save:
+            self.sim.save_compression_state(state_dir)
+
+    def save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.base._save_optimizer_and_scheduler(output_dir)
+
+    def load_optimizer_and_scheduler(self, checkpoint: str) -> None:
+        self.base._load_optimizer_and_scheduler(checkpoint)
+
+    def load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        self.base._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def load_best_model(self) -> None:
+        self.base._load_best_model()
+
+
+class Pipelined(Backend):
+    """This rank's stage of the plan's pipeline (`prepare`), driven by Trainer's loop."""
+
+    @property
+    def pipe(self):
+        return self.runner
+
+    @property
+    def num_replicas(self) -> int:
+        return self.plan.data_parallel
+
+    def _load_named(self, name, torch_dtype):
+        # This rank's stage only; the rest of the model stays on the meta device.
+        self.runner = prepare(name, self.plan, timeout=self.timeout, autocast_dtype=self.autocast_dtype,
+                            torch_dtype=torch_dtype)
+        return self.runner.model
+
+    def start(self) -> None:
+        if self.runner is None:
+            self.runner = prepare(self.trainer.model, self.plan, timeout=self.timeout, autocast_dtype=self.autocast_dtype)
+
+    def move_model_to_device(self, model, device) -> None:
+        """The pipeline places only this rank's stage on its device (the other stages may not even
+        be loaded)."""
+
+    # -- data and loss
+    def training_shard(self, dataset):
+        """(data set, number of shards, this replica): batches dealt over the replicas, or, with
+        AQ-SGD and several replicas, a fixed contiguous shard per replica, whose sample ids its
+        memory holds (Trainer's shuffle then runs within the shard)."""
+        pipe = self.pipe
+        if pipe.num_replicas > 1 and pipe.sample_range is not None:
+            return pipe.shard_dataset(dataset), 1, pipe.replica
+        return dataset, pipe.num_replicas, pipe.replica
+
+    def num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """Label tokens of the optimizer step over every replica (not over every rank: the
+        stages of one pipeline read the same batch)."""
+        if not batch_samples or "labels" not in batch_samples[0]:
+            return None
+        # Counted as Trainer counts (shifted only when it knows the loss shifts), so that the
+        # logged loss equals plain Trainer's on the unsplit model.
+        shifted = self.trainer._loss_shifts_labels
+        local = sum(int(((b["labels"][..., 1:] if shifted else b["labels"]) != -100).sum()) for b in batch_samples)
+        return self.pipe.count_over_replicas(local)
+
+    # -- training
+    def optimized_module(self, model):
+        return self.pipe.stage
+
+    def autocast(self, cache_enabled: bool | None):
+        return self.base.autocast_smart_context_manager(cache_enabled)
+
+    def training_step(self, model, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
+        trainer = self.trainer
+        optimizer = trainer.optimizer
+        if hasattr(optimizer, "train") and callable(optimizer.train):
+            optimizer.train()
+        out = self.pipe.train_step(inputs, num_items_in_batch=num_items_in_batch,
+                                   sync=trainer.accelerator.sync_gradients)
+        loss = out.loss.detach()
+        if num_items_in_batch is None:
+            loss = loss / trainer.current_gradient_accumulation_steps
+        return loss.to(trainer.args.device)
+
+    def clip_grad_norm(self, model):
+        return self.pipe.clip_grad_norm_(self.trainer.args.max_grad_norm)
+
+    def grad_norm(self, grad_norm):
+        return self.pipe.clip_grad_norm_(float("inf")) if grad_norm is None else grad_norm
+
+    def stats(self) -> dict:
+        return self.pipe.stats(gather=True)
+
+    # -- evaluation
+    def eval_losses(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """[through the codecs, without them]."""
+        return [self.pipe.eval_step(batch, compress=c).loss for c in (True, False)]
+
+    # -- saving and loading
+    def save_model(self, output_dir: str, _internal_call: bool) -> None:
+        trainer = self.trainer
+        # One collective save: every stage's shard, and the card with this run's results.
+        self.pipe.save_pretrained(output_dir, model=trainer.model, results=trainer._run_results())
+        if trainer.args.should_save:
+            if trainer.processing_class is not None:
+                trainer.processing_class.save_pretrained(output_dir)
+            torch.save(trainer.args, os.path.join(output_dir, "training_args.bin"))
+        if trainer.args.push_to_hub and not _internal_call:
+            trainer.push_to_hub(commit_message="Model save", revision=trainer.args.hub_revision)
+
+    def save_compression_state(self, state_dir: str) -> None:
+        self.pipe.save_compression_state(state_dir)
+
+    def save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # Each rank optimises its own stage: one optimizer file per rank.
+        trainer = self.trainer
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(trainer.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_FILE.format(rank=dist.get_rank())))
+        if trainer.args.should_save:
+            torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def load_optimizer_and_scheduler(self, checkpoint: str) -> None:
+        trainer = self.trainer
+        path = os.path.join(checkpoint, OPTIMIZER_FILE.format(rank=dist.get_rank()))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: was {checkpoint} saved by a run with "
+                                    f"{self.plan.world_size} processes?")
+        trainer.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
+
+    def load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        self.pipe.load_stage_weights(resume_from_checkpoint)
+
+    def load_best_model(self) -> None:
+        self.pipe.load_stage_weights(self.trainer.state.best_model_checkpoint)
+
+
+def backend_for(world_size: int) -> type[Backend]:
+    """One process: `OneProcess`; otherwise (`plan.world_size` processes, checked before) `Pipelined`."""
+    return OneProcess if world_size == 1 else Pipelined
+
