@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file, save_file
 
 from .plan import FORMAT_VERSION
+from .state_dict import prefixed, unprefixed
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
+# Where `accelerator.save_state(dir)` puts every rank's compression state: `dir/actcomp_state`.
+COMPRESSION_STATE_DIR = "actcomp_state"
 
 
 def _plan_fingerprint(plan_dict: dict[str, Any]) -> dict[str, Any]:
@@ -93,3 +96,63 @@ def load_state(directory: str | os.PathLike, rank: int, expected: dict[str, Any]
         state.update(load_file(os.path.join(directory, filename)))  # memory-mapped, read when used
     return state
 
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+
+class CompressionState:
+    """Everything one rank keeps for compression, saved and loaded as one: named parts (the
+    boundary ends, the tied embedding's end, the data-parallel hook), each with
+    `state_dict` / `load_state_dict`, under their names as key prefixes
+    (`boundary0.forward.sender.memory`, `tie.copy`, `data_parallel.error`).
+
+    The simulation (one process, rank 0, every stage) and each rank of a pipeline build one, so
+    both save, load and check state the same way.
+
+    Args:
+        parts: name -> stateful part; `None` entries are skipped (a part this rank lacks).
+        rank: which `rank{r}` files this state is.
+        metadata: what `load` checks the saved state against (`plan` as a dict, `world_size`,
+            `stage`, `blocks`).
+    """
+
+    def __init__(self, parts: dict[str, Stateful | None], rank: int, metadata: dict[str, Any]) -> None:
+        self.parts = {name: part for name, part in parts.items() if part is not None}
+        self.rank = rank
+        self.metadata = metadata
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for name, part in self.parts.items():
+            state.update(prefixed(part.state_dict(), name))
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, part in self.parts.items():
+            part.load_state_dict(unprefixed(state, name))
+
+    def save(self, directory: str | os.PathLike, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+        """Write this rank's files (`rank{r}.json` and its safetensors) to `directory`."""
+        save_state(directory, self.rank, self.state_dict(), self.metadata, max_shard_size=max_shard_size)
+
+    def load(self, directory: str | os.PathLike) -> None:
+        """Read state written by `save` under the same plan and layout (checked first)."""
+        self.load_state_dict(load_state(directory, self.rank, self.metadata))
+
+    def register_for_checkpointing(self, accelerator) -> None:
+        """`accelerator.save_state(dir)` / `load_state(dir)` also save / load this state under
+        `dir/actcomp_state` (Accelerate saves custom objects on the main process only, so every
+        rank registers its own hooks)."""
+
+        def save_hook(models, weights, output_dir):
+            self.save(os.path.join(output_dir, COMPRESSION_STATE_DIR))
+
+        def load_hook(models, input_dir):
+            self.load(os.path.join(input_dir, COMPRESSION_STATE_DIR))
+
+        accelerator.register_save_state_pre_hook(save_hook)
+        accelerator.register_load_state_pre_hook(load_hook)

@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 
 from . import hub
+from .checkpoint import COMPRESSION_STATE_DIR
 from .feedback import build_codec, build_first_visit_codec
 from .memory import MemoryStore
-from .pipeline.checkpointing import COMPRESSION_STATE_DIR
 from .plan import CONFIG_NAME, Compression, MemoryConfig, Plan
 
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}

@@ -22,13 +22,14 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import checkpoint
-from .boundary import Boundary, prefixed, unprefixed
+from .batching import MicroBatch, check_batch, count_label_tokens, split_batch
+from .boundary import Boundary
+from .checkpoint import CompressionState
 from .models import get_adapter
 from .models.router import RouterLoss, router_spec
 from .models.split import stage_ranges
 from .plan import Plan
-from .telemetry import ChannelStats, TrafficCounter, summarize
+from .telemetry import TrafficCounter, summarize
 from .tie import TieCompressor, exact_rows_nbytes
 
 # Keyword arguments that HF training loops pass and that do not change the computation here.
@@ -125,6 +126,9 @@ class SimulatedPipeline(nn.Module):
             self._tie_module = module
             self.tie = TieCompressor(plan.tie_compression, "both")
             self.traffic["tie"] = TrafficCounter()
+        # All of it, as a pipeline's rank 0 would save it for the whole model.
+        self.compression = CompressionState({**self.boundaries, "tie": self.tie}, rank=0, metadata={
+            "plan": plan.to_dict(), "world_size": 1, "stage": "all", "blocks": [[r.start, r.stop] for r in self.ranges]})
 
     @property
     def config(self):
@@ -148,53 +152,39 @@ class SimulatedPipeline(nn.Module):
                 f"SimulatedPipeline.forward got unsupported arguments {sorted(unknown)}; it takes "
                 "input_ids, attention_mask, labels, sample_id and num_items_in_batch."
             )
-        batch = input_ids.shape[0]
-        num_micro = self.plan.micro_batches
-        if batch < num_micro:
-            raise ValueError(
-                f"A batch of {batch} rows cannot be split into plan.micro_batches={num_micro}; "
-                f"use a batch size >= {num_micro}."
-            )
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "sample_id": sample_id}
         compress = self.training
-        if compress and self.plan.forward.method == "aqsgd" and sample_id is None:
-            raise ValueError(
-                "AQ-SGD needs a 'sample_id' entry in every training batch. "
-                "Add it with hf_actcomp.add_sample_ids(dataset)."
-            )
-
-        def split(t: torch.Tensor | None) -> list:
-            return [None] * num_micro if t is None else list(torch.tensor_split(t, num_micro))
-
+        check_batch(batch, self.plan, training=compress, needs_labels=False)
+        micro = split_batch(batch, self.plan.micro_batches)
         num_items = num_items_in_batch
-        if num_items is None and labels is not None and num_micro > 1:
-            num_items = (labels[..., 1:] != -100).sum()  # per-micro-batch means would weight rows unevenly
+        if num_items is None and labels is not None and len(micro) > 1:
+            num_items = count_label_tokens(labels)  # per-micro-batch means would weight rows unevenly
         logits_parts, loss = [], None
         with self._compressed_tie(input_ids, compress):
-            for slot, (ids, mask, lab, sid) in enumerate(
-                zip(split(input_ids), split(attention_mask), split(labels), split(sample_id), strict=False)
-            ):
-                part, h = self._micro_batch(ids, mask, lab, sid, slot, compress, num_items)
+            for slot, mb in enumerate(micro):
+                part, h = self._micro_batch(mb, slot, compress, num_items)
                 logits_parts.append(h)
                 if part is not None:
                     loss = part if loss is None else loss + part
         logits = torch.cat(logits_parts) if len(logits_parts) > 1 else logits_parts[0]
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    def _micro_batch(self, ids, mask, lab, sid, slot: int, compress: bool, num_items):
+    def _micro_batch(self, mb: MicroBatch, slot: int, compress: bool, num_items):
         """(loss or None, logits) of one micro-batch through every stage and boundary."""
-        h = ids
+        h, mask = mb.input_ids, mb.attention_mask
         with self.router.collecting() if self.router else contextlib.nullcontext():
             for s, stage in enumerate(self.stages):
                 h = stage(h, mask)
                 if s < len(self.stages) - 1:
                     forward = self.boundaries[f"boundary{s}.forward"]
                     if compress:
-                        h = _CompressedBoundary.apply(h, forward, self.boundaries[f"boundary{s}.backward"], sid, slot)
+                        h = _CompressedBoundary.apply(h, forward, self.boundaries[f"boundary{s}.backward"],
+                                                      mb.sample_id, slot)
                     else:
                         h = _InferenceBoundary.apply(h, forward)
         part = None
-        if lab is not None:
-            part = self.model.loss_function(h, lab, vocab_size=self.model.config.vocab_size,
+        if mb.labels is not None:
+            part = self.model.loss_function(h, mb.labels, vocab_size=self.model.config.vocab_size,
                                             num_items_in_batch=num_items)
             if self.router is not None:  # per micro-batch, as transformers per forward call
                 part = part + self.router.whole_loss(*self.router.partial(mask, h.device))
@@ -235,37 +225,25 @@ class SimulatedPipeline(nn.Module):
 
     def reset_stats(self) -> None:
         for b in self.boundaries.values():
-            b.stats = ChannelStats()
-        for name in self.traffic:
-            self.traffic[name] = TrafficCounter()
+            b.stats.reset()
+        for counter in self.traffic.values():
+            counter.reset()
 
     def compression_state_dict(self) -> dict[str, torch.Tensor]:
         """Error-feedback buffers, AQ-SGD memories and codec counters of every boundary (and the
         compressed tie's copy, error table and counters under `tie.`)."""
-        state: dict[str, torch.Tensor] = {}
-        for name, b in self.boundaries.items():
-            state.update(prefixed(b.state_dict(), name))
-        if self.tie is not None:
-            state.update(prefixed(self.tie.state_dict(), "tie"))
-        return state
+        return self.compression.state_dict()
 
     def load_compression_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for name, b in self.boundaries.items():
-            b.load_state_dict(unprefixed(state, name))
-        if self.tie is not None:
-            self.tie.load_state_dict(unprefixed(state, "tie"))
+        self.compression.load_state_dict(state)
 
     def save_compression_state(self, directory: str) -> None:
         """Write every boundary's state to `directory` (safetensors, as rank 0 of a pipeline)."""
-        checkpoint.save_state(directory, 0, self.compression_state_dict(), self._state_metadata())
+        self.compression.save(directory)
 
     def load_compression_state(self, directory: str) -> None:
         """Read state written by `save_compression_state` under the same plan."""
-        self.load_compression_state_dict(checkpoint.load_state(directory, 0, self._state_metadata()))
-
-    def _state_metadata(self) -> dict:
-        return {"plan": self.plan.to_dict(), "world_size": 1, "stage": "all",
-                "blocks": [[r.start, r.stop] for r in self.ranges]}
+        self.compression.load(directory)
 
 
 def simulate(model: nn.Module, plan: Plan) -> SimulatedPipeline:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -37,6 +37,10 @@ class ChannelStats:
             self.squared_error += err
             self.squared_norm += norm
             self.last_relative_error = math.sqrt(err / norm) if norm > 0 else 0.0
+
+    def reset(self) -> None:
+        """Back to zero, in place: whoever holds this counter keeps counting into it."""
+        _reset(self)
 
     @contextmanager
     def timing(self, kind: str):
@@ -85,6 +89,10 @@ class TrafficCounter:
     bytes_sent: int = 0
     bytes_uncompressed: int = 0
 
+    def reset(self) -> None:
+        """Back to zero, in place: whoever holds this counter keeps counting into it."""
+        _reset(self)
+
     def add(self, nbytes: int, uncompressed: int | None = None) -> None:
         self.messages += 1
         self.bytes_sent += int(nbytes)
@@ -94,6 +102,11 @@ class TrafficCounter:
         return {"messages": self.messages, "bytes_sent": self.bytes_sent,
                 "bytes_uncompressed": self.bytes_uncompressed,
                 "compression_ratio": self.bytes_uncompressed / self.bytes_sent if self.bytes_sent else 1.0}
+
+
+def _reset(counter) -> None:
+    for f in fields(counter):
+        setattr(counter, f.name, f.default)
 
 
 # What crosses between ranks, by category (see `summarize`).

@@ -283,7 +283,7 @@ def test_base_model_without_head_is_rejected():
 
 def test_register_adapter_adds_a_family(monkeypatch):
     """The GPT-NeoX example of docs/adding_a_model.md, held to the same exactness test."""
-    monkeypatch.setattr(models, "ADAPTERS", dict(models.ADAPTERS))
+    monkeypatch.setattr(models.registry, "ADAPTERS", dict(models.ADAPTERS))
 
     @register_adapter
     class GPTNeoXAdapter(DecoderAdapter):
@@ -350,7 +350,7 @@ def test_unverified_standard_family_can_be_tried_and_checked(monkeypatch):
     """OLMo (1) has the standard layout but is not verified: the error says how to try it, and
     `check_adapter` then passes; Granite's embedding multiplier is something the generic adapter
     does not reproduce, and `check_adapter` says so."""
-    monkeypatch.setattr(models, "ADAPTERS", dict(models.ADAPTERS))
+    monkeypatch.setattr(models.registry, "ADAPTERS", dict(models.ADAPTERS))
     kwargs = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     torch.manual_seed(0)

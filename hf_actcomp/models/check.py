@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .base import StageModule
+from .registry import get_adapter
 
 
 def even_ranges(num_blocks: int, num_stages: int) -> list[tuple[int, int]]:
@@ -57,8 +58,6 @@ def check_adapter(
     `rtol`; exact by default, as the stages run the model's own operations in its order).
     Leaves the stages' gradients in `model`'s parameters.
     """
-    from . import get_adapter  # the registry imports this module's package
-
     adapter = get_adapter(model)
     ranges = stage_ranges or even_ranges(adapter.num_blocks, min(3, adapter.num_blocks))
     if batch is None:

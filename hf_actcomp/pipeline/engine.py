@@ -21,7 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import checkpoint
+from ..batching import MicroBatch, check_batch, count_label_tokens, split_batch
 from ..boundary import Boundary
+from ..checkpoint import CompressionState
 from ..codecs import make_codec
 from ..dp import make_compressor
 from ..dp.base import ring_allreduce_bytes
@@ -31,8 +33,7 @@ from ..models.router import RouterLoss, router_spec
 from ..models.split import stage_ranges
 from ..plan import Plan
 from ..telemetry import TrafficCounter, summarize
-from . import checkpointing
-from .batching import MicroBatch, check_batch, count_label_tokens, split_batch
+from .checkpointing import StageWeights, free_other_parameters
 from .gradsync import GradientSync, TiedEmbedding
 from .link import StageLink
 from .loading import load_stage_model
@@ -43,7 +44,6 @@ from .transport import Transport
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 300.0
-COMPRESSION_STATE_DIR = checkpointing.COMPRESSION_STATE_DIR
 
 
 @dataclass
@@ -113,7 +113,7 @@ class Pipeline(nn.Module):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL collectives and *_object calls use the current device
         stage = adapter.build_stage(ranges[s].start, ranges[s].stop, first=s == 0, last=s == last)
-        checkpointing.free_other_parameters(model, stage)
+        free_other_parameters(model, stage)
         self.stage = stage.to(self.device)
         # What crosses a boundary: the autocast dtype when set (the stages compute in it, so
         # sending fp32 would double the bytes for nothing), else the parameters' dtype.
@@ -154,8 +154,16 @@ class Pipeline(nn.Module):
         self.tie = self._tied_embedding()
         self.grads = GradientSync(self.stage, self.mesh, self.group, self.dp_compressor, self.tie,
                                   self.traffic["collectives"])
+        r = ranges[s]
+        self.compression = CompressionState(
+            {**self.boundaries, "tie": self.tie, "data_parallel": self.dp_compressor}, rank=self.mesh.rank,
+            metadata={"plan": plan.to_dict(), "world_size": plan.world_size, "stage": s, "blocks": [r.start, r.stop]})
+        self.weights = StageWeights(self.stage, self.mesh, self.group, self.tied_pairs, self.peft_model)
         self._sync = True
+        # This stage's own timers; the transport and the gradient sync keep theirs (waiting on
+        # point-to-point messages, and the gradient collectives).
         self.seconds_step = 0.0
+        self.seconds_collectives = 0.0  # loss broadcast, token-count and loss all-reduces
         self.steps = 0
 
     # ------------------------------------------------------------------------- properties
@@ -398,7 +406,7 @@ class Pipeline(nn.Module):
         start = time.perf_counter()
         dist.all_reduce(t, group=group)
         self.traffic["collectives"].add(ring_allreduce_bytes(t.numel() * t.element_size(), size))
-        self.transport.seconds_waiting += time.perf_counter() - start
+        self.seconds_collectives += time.perf_counter() - start
 
     def _broadcast_loss(self, total: torch.Tensor) -> torch.Tensor:
         if self.mesh.num_stages > 1:
@@ -406,7 +414,7 @@ class Pipeline(nn.Module):
             dist.broadcast(total, src=self.mesh.ranks[-1], group=self.group)
             if self.is_last:
                 self.traffic["collectives"].add(total.numel() * total.element_size() * (self.mesh.num_stages - 1))
-            self.transport.seconds_waiting += time.perf_counter() - start
+            self.seconds_collectives += time.perf_counter() - start
         return total
 
     def _mean_over_replicas(self, total: torch.Tensor) -> torch.Tensor:
@@ -475,7 +483,7 @@ class Pipeline(nn.Module):
         traffic = {name: c.as_dict() for name, c in self.traffic.items()}
         if self.dp_compressor is not None:
             traffic["data_parallel"] = self.dp_compressor.stats()
-        waiting = self.transport.seconds_waiting + self.grads.seconds
+        waiting = self.transport.seconds_waiting + self.grads.seconds + self.seconds_collectives
         timing = {
             "steps": self.steps,
             "seconds_step": self.seconds_step,
@@ -487,39 +495,40 @@ class Pipeline(nn.Module):
         return {"stage": self.stage_index, "channels": channels, "traffic": traffic, "timing": timing}
 
     def reset_stats(self) -> None:
+        """Every counter and timer back to zero, in place (whoever counts into one keeps it)."""
         for b in self.boundaries.values():
-            b.stats = type(b.stats)()
-        self.traffic = {name: TrafficCounter() for name in self.traffic}
-        if self.tie is not None:
-            self.tie.counter = self.traffic["tie"]
-        self.grads.collectives = self.traffic["collectives"]
-        self.grads.seconds = 0.0
-        self.seconds_step = 0.0
-        self.transport.seconds_waiting = 0.0
+            b.stats.reset()
+        for counter in self.traffic.values():
+            counter.reset()
+        self.grads.reset_stats()
+        self.transport.reset_stats()
+        self.seconds_step = self.seconds_collectives = 0.0
         self.steps = 0
 
     # ------------------------------------------------------------------------- state
     def compression_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's EF buffers, AQ-SGD memories, codec counters and data-parallel hook state."""
-        return checkpointing.compression_state_dict(self)
+        """This rank's EF buffers, AQ-SGD memories, codec counters, data-parallel hook state and,
+        with `Plan.tie_compression`, its end of the tie (`tie.copy` and `tie.error` on the first
+        stage, `tie.mirror` on the last)."""
+        return self.compression.state_dict()
 
     def load_compression_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        checkpointing.load_compression_state_dict(self, state)
+        self.compression.load_state_dict(state)
 
     def save_compression_state(self, directory: str | os.PathLike,
                                max_shard_size: int | str = checkpoint.DEFAULT_MAX_SHARD_SIZE) -> None:
         """Write this rank's compression state to `directory` (safetensors, sharded when large).
         Call on every rank."""
-        checkpointing.save_compression_state(self, directory, max_shard_size)
+        self.compression.save(directory, max_shard_size)
 
     def load_compression_state(self, directory: str | os.PathLike) -> None:
         """Read this rank's state saved by `save_compression_state` under the same plan."""
-        checkpointing.load_compression_state(self, directory)
+        self.compression.load(directory)
 
     def register_for_checkpointing(self, accelerator) -> None:
         """Make `accelerator.save_state(dir)` / `load_state(dir)` also save / load every rank's
         compression state under `dir/actcomp_state`."""
-        checkpointing.register_for_checkpointing(self, accelerator)
+        self.compression.register_for_checkpointing(accelerator)
 
     def save_pretrained(self, save_directory: str | os.PathLike, model: nn.Module | None = None,
                         results: dict | None = None, **kwargs) -> None:
@@ -532,7 +541,15 @@ class Pipeline(nn.Module):
         which `PeftModel.from_pretrained(base, dir)` loads. `results` (eval metrics, log history,
         ...) join the measured traffic in `actcomp_results.json` and the model card.
         """
-        checkpointing.save_pretrained(self, save_directory, model, results, **kwargs)
+        stats = self.stats(gather=True)  # collective: every rank, before rank 0 writes
+        base = self.weights.save(save_directory, model if model is not None else self.model, **kwargs)
+        if self.mesh.rank == 0:
+            from .. import hub  # the card renderer, only when saving
+
+            self.plan.save_pretrained(save_directory)
+            run = {"base_model": getattr(base, "name_or_path", None), **(results or {})}
+            hub.save_run(save_directory, stats=stats, blocks=[[r.start, r.stop] for r in self.ranges], **run)
+        dist.barrier(group=self.group)
 
     def push_to_hub(self, repo_id: str, model: nn.Module | None = None, *, save_directory: str | None = None,
                     private: bool | None = None, token: str | bool | None = None,
@@ -570,7 +587,7 @@ class Pipeline(nn.Module):
     def load_stage_weights(self, directory: str | os.PathLike) -> None:
         """Load this stage's parameters from a `save_pretrained` directory, reading only its own
         tensors (for a PEFT pipeline: its adapter weights from `adapter_model.safetensors`)."""
-        checkpointing.load_stage_weights(self, directory)
+        self.weights.load(directory)
 
 
 def prepare(model: nn.Module | str | os.PathLike, plan: Plan, *, device: torch.device | str | None = None,

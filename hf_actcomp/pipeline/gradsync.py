@@ -166,6 +166,9 @@ class GradientSync:
         self.collectives = collectives
         self.seconds = 0.0
 
+    def reset_stats(self) -> None:
+        self.seconds = 0.0
+
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         """Parameters whose gradient this stage owns, in name order (the same on every replica):
         trainable, and not the first stage's copy of a tied embedding."""

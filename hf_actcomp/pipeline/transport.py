@@ -75,6 +75,9 @@ class Transport:
         self.posted: list[PostedRecv] = []  # receives posted early, not yet taken
         self.seconds_waiting = 0.0
 
+    def reset_stats(self) -> None:
+        self.seconds_waiting = 0.0
+
     def send(self, payload: torch.Tensor, dst: int, *, tag: int = 0, with_next_recv: bool = False) -> None:
         """Queue `payload` for `dst`. With `with_next_recv` (and not `early`), it is posted
         together with this process's next receive (the schedule's next action receives);

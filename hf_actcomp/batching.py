@@ -1,4 +1,5 @@
-"""Checking a pipeline batch and cutting it into micro-batches, with the loss normaliser.
+"""Checking a batch and cutting it into micro-batches, with the loss normaliser: one path for
+the in-process simulation (`simulate`) and the pipeline (`Pipeline.train_step` / `eval_step`).
 
 Every rank of a pipeline reads the same batch, so every rank can validate it identically before
 any message is sent: a bad batch fails everywhere with the same error instead of hanging a peer.
@@ -10,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..memory import check_sample_ids
-from ..plan import Plan
+from .memory import check_sample_ids
+from .plan import Plan
 
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "sample_id")
 
@@ -29,10 +30,11 @@ def count_label_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != -100).sum())
 
 
-def check_batch(batch: dict[str, torch.Tensor], plan: Plan, training: bool,
-                sample_range: range | None = None) -> None:
+def check_batch(batch: dict[str, torch.Tensor | None], plan: Plan, training: bool,
+                sample_range: range | None = None, needs_labels: bool = True) -> None:
     """Raise a ValueError that says what is wrong with `batch` for this plan (AQ-SGD sample ids:
-    within `sample_range` when this replica keeps memory for a shard only)."""
+    within `sample_range` when this replica keeps memory for a shard only). `needs_labels`: the
+    pipeline's last stage always computes the loss; the simulation may return logits only."""
     unknown = set(batch) - set(BATCH_KEYS)
     if "input_ids" not in batch or unknown:
         raise ValueError(
@@ -45,7 +47,7 @@ def check_batch(batch: dict[str, torch.Tensor], plan: Plan, training: bool,
             f"A batch of {rows} rows cannot be split into plan.micro_batches={num_micro}; "
             f"use a batch size >= {num_micro}."
         )
-    if batch.get("labels") is None:
+    if needs_labels and batch.get("labels") is None:
         raise ValueError("The batch needs 'labels' to compute the loss on the last stage.")
     if training and plan.forward.method == "aqsgd":
         if batch.get("sample_id") is None:
@@ -56,10 +58,14 @@ def check_batch(batch: dict[str, torch.Tensor], plan: Plan, training: bool,
         check_sample_ids(batch["sample_id"], sample_range or plan.memory.num_samples, rows)
 
 
-def split_batch(batch: dict[str, torch.Tensor], num_micro: int, device: torch.device) -> list[MicroBatch]:
-    """`batch` cut row-wise into `num_micro` micro-batches on `device` (as `torch.tensor_split`)."""
+def split_batch(batch: dict[str, torch.Tensor | None], num_micro: int,
+                device: torch.device | None = None) -> list[MicroBatch]:
+    """`batch` cut row-wise into `num_micro` micro-batches (as `torch.tensor_split`), moved to
+    `device` when given."""
 
     def split(t: torch.Tensor | None) -> list:
-        return [None] * num_micro if t is None else list(torch.tensor_split(t.to(device), num_micro))
+        if t is None:
+            return [None] * num_micro
+        return list(torch.tensor_split(t if device is None else t.to(device), num_micro))
 
     return [MicroBatch(*parts) for parts in zip(*(split(batch.get(k)) for k in BATCH_KEYS), strict=True)]
