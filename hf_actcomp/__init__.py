@@ -2,7 +2,7 @@
 
 from typing import TYPE_CHECKING
 
-from .codecs import available_codecs, make_codec
+from .codecs import available_codecs, make_codec, register_codec
 from .data import add_sample_ids
 from .inference import CompressedInference, compressed_inference
 from .models import get_adapter, register_adapter, supported_model_types
@@ -35,6 +35,7 @@ __all__ = [
     "make_codec",
     "prepare",
     "register_adapter",
+    "register_codec",
     "simulate",
     "supported_model_types",
     "trackers",

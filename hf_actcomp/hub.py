@@ -24,6 +24,7 @@ from typing import Any
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from huggingface_hub import constants as hub_constants
 
+from .codecs import CODECS
 from .plan import CONFIG_NAME, Compression, Plan
 
 logger = logging.getLogger(__name__)
@@ -33,11 +34,10 @@ CURVES_NAME = "training_curves.png"
 CARD_NAME = "README.md"
 TEMPLATE_NAME = "actcomp_model_card.md"
 
-# What each method is, for tags and citations (only those a run used are shown).
-_METHOD_TAGS = {"aqsgd": "aq-sgd", "quantize": "quantization", "topk": "topk", "randk": "randk",
-                "fp16": "fp16-activations", "bf16": "bf16-activations", "ef": "error-feedback",
-                "ef21": "ef21", "dgc": "dgc", "qsgd": "qsgd", "marsit": "marsit", "ef_sign": "ef-signsgd",
-                "powersgd": "powersgd"}
+# Tags of the methods that are not codecs (a codec's tag is its `hub_tag`); any other name (a
+# data-parallel hook of your own) is its own tag. Only the methods a run used are shown.
+_METHOD_TAGS = {"aqsgd": "aq-sgd", "ef": "error-feedback", "ef21": "ef21", "dgc": "dgc", "qsgd": "qsgd",
+                "marsit": "marsit", "ef_sign": "ef-signsgd", "powersgd": "powersgd"}
 _CITATIONS = {
     "aqsgd": """@inproceedings{wang2022aqsgd,
   title={Fine-tuning Language Models over Slow Networks using Activation Compression with Guarantees},
@@ -248,22 +248,24 @@ def _is_repo_id(name: str | None) -> bool:
     return bool(name) and not os.path.exists(name) and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) is not None
 
 
-def _methods(plan: Plan) -> list[str]:
-    methods = []
+def _methods(plan: Plan) -> dict[str, str]:
+    """The methods a run used (wrapper, codecs, feedback, data-parallel hook), in order, each with
+    its Hub tag: a codec's from the codec registry, the others' from `_METHOD_TAGS`."""
+    methods: dict[str, str] = {}
     for c in (plan.forward, plan.backward):
         warm_up = c.first_visit.codec_name if c.method == "aqsgd" and isinstance(c.first_visit, Compression) else "none"
-        for m in (c.method, c.codec_name, c.feedback, warm_up):
-            if m not in ("none", *methods):
-                methods.append(m)
+        for m, is_codec in ((c.method, c.method in CODECS), (c.codec_name, True), (c.feedback, False), (warm_up, True)):
+            if m != "none" and m not in methods:
+                methods[m] = (CODECS[m].hub_tag or m) if is_codec else _METHOD_TAGS.get(m, m)
     if plan.data_parallel > 1:
         hook = plan.dp_hook()[0]
         if hook != "allreduce":
-            methods.append(hook)
+            methods.setdefault(hook, _METHOD_TAGS.get(hook, hook))
     return methods
 
 
 def _tags(plan: Plan, adapter: bool) -> list[str]:
-    tags = ["hf-actcomp", "pipeline-parallel"] + [_METHOD_TAGS.get(m, m) for m in _methods(plan)]
+    tags = ["hf-actcomp", "pipeline-parallel"] + list(_methods(plan).values())
     if plan.data_parallel > 1:
         tags.append("data-parallel")
     if adapter:

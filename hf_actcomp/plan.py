@@ -2,7 +2,9 @@
 
 `Plan` is the one object a user writes (in Python, JSON or YAML); everything else in the package
 is built from it. Every field is validated in `__post_init__` so a bad value fails before any
-model is touched, with a message naming the value and the allowed ones.
+model is touched, with a message naming the value and the allowed ones. Codec names and their
+fields are checked against the codec registry (`hf_actcomp.codecs`), data-parallel hooks against
+the hook registry (`hf_actcomp.dp`): a codec or hook registered there is accepted here as is.
 """
 
 from __future__ import annotations
@@ -10,39 +12,50 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import yaml
+
+from .codecs import CODECS, available_codecs
 
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "actcomp_config.json"
 FORMAT_VERSION = 1
 
-COMPRESSION_METHODS = ("aqsgd", "bf16", "fp16", "hadamard", "none", "quantize", "randk", "topk")
+# `aqsgd` is a method, not a codec: it wraps one of these (`inner`) with a per-sample memory. Every
+# other method is a registered codec, and only those are stateless enough for a warm-up
+# (`first_visit`) or the tied-embedding rows (`Plan.tie_compression`).
+AQSGD = "aqsgd"
 FEEDBACK_KINDS = ("none", "ef", "ef21")
-GRANULARITIES = ("group", "channel")
-ROUNDINGS = ("deterministic", "stochastic")
-VALUE_DTYPES = ("fp16", "bf16", "fp32")
 AQSGD_INNER = ("quantize", "topk")
 FIRST_VISIT = ("full", "direct")
-# Methods a compressed AQ-SGD warm-up (`first_visit=Compression(...)`) may use: the stateless ones.
-FIRST_VISIT_METHODS = tuple(m for m in COMPRESSION_METHODS if m != "aqsgd")
-# Methods `Plan.tie_compression` may use: the stateless ones (the tie keeps its own delta state).
-TIE_METHODS = tuple(m for m in COMPRESSION_METHODS if m != "aqsgd")
 INFERENCE_FALLBACK = ("direct", "none")
 SCHEDULES = ("gpipe", "1f1b")
 MEMORY_STORES = ("device", "host", "mmap")
 MEMORY_DTYPES = ("fp32", "fp16", "bf16", "int8")
-# Names of the data-parallel hooks in hf_actcomp.dp (kept here to avoid an import cycle; a test
-# checks that the two agree).
-DP_HOOKS = ("allreduce", "dgc", "ef_sign", "marsit", "powersgd", "qsgd", "randk", "topk")
 
 
-def _check_choice(owner: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
+def _check_choice(owner: str, name: str, value: Any, allowed: Sequence[Any]) -> None:
     if value not in allowed:
-        raise ValueError(f"{owner}.{name}={value!r} is not valid. Allowed values: {', '.join(allowed)}.")
+        raise ValueError(f"{owner}.{name}={value!r} is not valid. Allowed values: {', '.join(map(str, allowed))}.")
+
+
+def _registered_choices(key: str) -> list[Any]:
+    """Every value a registered codec accepts for the choice field `key`, in declaration order
+    (empty when no codec declares `key` as a choice)."""
+    allowed: list[Any] = []
+    for codec in CODECS.values():
+        param = codec.params.get(key)
+        allowed += [c for c in (param.choices if param is not None else ()) if c not in allowed]
+    return allowed
+
+
+def compression_methods() -> list[str]:
+    """What `Compression(method=...)` accepts: `aqsgd` and every registered codec, sorted."""
+    return sorted((AQSGD, *CODECS))
 
 
 @dataclass
@@ -50,11 +63,15 @@ class Compression:
     """How one direction (forward activations or backward gradients) of every boundary is compressed.
 
     Args:
-        method: codec name (`none`, `fp16`, `bf16`, `quantize`, `topk`, `randk`, `hadamard`) or
-            `aqsgd` (delta against a per-sample memory, forward direction only). `hadamard`
+        method: codec name (`none`, `fp16`, `bf16`, `quantize`, `topk`, `randk`, `hadamard`, or one
+            registered with `hf_actcomp.register_codec`) or `aqsgd` (delta against a per-sample
+            memory, forward direction only). `hadamard`
             rotates each token by a random-sign Hadamard matrix before tile-wise quantization with
             per-tile widths: stateless, for data sets too large for AQ-SGD's memory.
         bits: bit width 1..8 for `quantize`, `hadamard` (average) and for `aqsgd` with `inner="quantize"`.
+            Each codec declares the fields it takes and their checks (`Codec.params`); the fields
+            a codec does not take are ignored, except that a choice field must hold a value some
+            registered codec accepts.
         ratio: fraction of elements kept, in (0, 1], for `topk`, `randk` and `aqsgd` with `inner="topk"`.
         granularity: `group` (one scale per `group_size` elements) or `channel` (one scale per
             hidden channel, as in the AQ-SGD reference code).
@@ -88,66 +105,60 @@ class Compression:
 
     def __post_init__(self) -> None:
         owner = "Compression"
-        _check_choice(owner, "method", self.method, COMPRESSION_METHODS)
+        if self.method not in compression_methods():
+            raise ValueError(
+                f"Compression.method={self.method!r} is not valid. Allowed values: {', '.join(compression_methods())}. "
+                "A codec of your own must be registered (hf_actcomp.register_codec) in every process before "
+                "the plan is built or read."
+            )
         _check_choice(owner, "feedback", self.feedback, FEEDBACK_KINDS)
-        _check_choice(owner, "granularity", self.granularity, GRANULARITIES)
-        _check_choice(owner, "rounding", self.rounding, ROUNDINGS)
-        _check_choice(owner, "value_dtype", self.value_dtype, VALUE_DTYPES)
         _check_choice(owner, "inner", self.inner, AQSGD_INNER)
         self.first_visit = _check_first_visit(self.first_visit)
         _check_choice(owner, "inference", self.inference, INFERENCE_FALLBACK)
         if not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"Compression.group_size={self.group_size!r} must be a positive integer.")
-        codec = self.codec_name
-        if codec in ("quantize", "hadamard"):
-            if self.bits is None:
-                raise ValueError(f"Compression(method={self.method!r}) needs bits (an integer 1..8).")
-            if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
-                raise ValueError(f"Compression.bits={self.bits!r} is outside the allowed range 1..8.")
-        if codec in ("topk", "randk"):
-            if self.ratio is None:
-                raise ValueError(f"Compression(method={self.method!r}) needs ratio in (0, 1].")
-            if not isinstance(self.ratio, (int, float)) or not 0.0 < float(self.ratio) <= 1.0:
-                raise ValueError(f"Compression.ratio={self.ratio!r} is outside the allowed range (0, 1].")
-            self.ratio = float(self.ratio)
-        if self.method == "aqsgd" and self.feedback != "none":
+        self._check_codec_fields()
+        if self.method == AQSGD and self.feedback != "none":
             raise ValueError(
                 f"Compression.feedback={self.feedback!r} cannot be combined with method='aqsgd' "
                 "(AQ-SGD already compensates through its delta memory). Use feedback='none'."
             )
 
+    def _check_codec_fields(self) -> None:
+        """The fields the codec takes, by the codec's own checks (`Codec.params`). A choice field it
+        ignores must still hold a value some registered codec accepts: a typo in a saved plan fails
+        now, not the day the plan switches codec."""
+        codec = CODECS[self.codec_name]
+        names = [f.name for f in fields(self)]
+        for key, param in codec.params.items():
+            if key not in names:
+                raise ValueError(f"Codec {codec.name!r} declares the field {key!r}, which Compression does not have "
+                                 f"(fields: {', '.join(sorted(names))}).")
+            value = getattr(self, key)
+            if value is None and param.required:
+                raise ValueError(f"Compression(method={self.method!r}) needs {key} (allowed: {param.allowed()}).")
+            if value is not None:
+                setattr(self, key, param.check(f"Compression.{key}", value))
+        for key in (name for name in names if name not in codec.params):
+            allowed = _registered_choices(key)
+            if allowed:
+                _check_choice("Compression", key, getattr(self, key), allowed)
+
     @property
     def codec_name(self) -> str:
         """The codec that actually encodes tensors (for `aqsgd`, its inner codec)."""
-        return self.inner if self.method == "aqsgd" else self.method
+        return self.inner if self.method == AQSGD else self.method
 
     def codec_params(self) -> dict[str, Any]:
-        """Constructor arguments of the codec named by `codec_name`."""
-        name = self.codec_name
-        if name == "quantize":
-            return dict(
-                bits=self.bits,
-                granularity=self.granularity,
-                group_size=self.group_size,
-                rounding=self.rounding,
-                seed=self.seed,
-            )
-        if name in ("topk", "randk"):
-            return dict(ratio=self.ratio, value_dtype=self.value_dtype, seed=self.seed)
-        if name == "hadamard":
-            return dict(bits=self.bits, group_size=self.group_size, rounding=self.rounding, seed=self.seed)
-        return {}
+        """Constructor arguments of the codec named by `codec_name`: the fields it declares in
+        `Codec.params` that are set."""
+        return {key: getattr(self, key) for key in CODECS[self.codec_name].params if getattr(self, key) is not None}
 
     def describe(self) -> str:
         """Short label such as `aqsgd-quantize4`, `topk0.1+ef` or, with a compressed warm-up,
-        `aqsgd-quantize2 (warm-up hadamard4)`, for tables and logs."""
-        name = self.codec_name
-        label = name
-        if name in ("quantize", "hadamard"):
-            label = f"{name}{self.bits}"
-        elif name in ("topk", "randk"):
-            label = f"{name}{self.ratio:g}"
-        if self.method == "aqsgd":
+        `aqsgd-quantize2 (warm-up hadamard4)`, for tables and logs (the codec's `label`)."""
+        label = CODECS[self.codec_name].label(self.codec_params())
+        if self.method == AQSGD:
             label = f"aqsgd-{label}"
             if isinstance(self.first_visit, Compression):
                 label += f" (warm-up {self.first_visit.describe()})"
@@ -166,10 +177,10 @@ def _check_first_visit(value: Any) -> str | Compression:
         except ValueError as err:
             raise ValueError(f"{owner}: {err}") from err
     if isinstance(value, Compression):
-        if value.method == "aqsgd":
+        if value.method == AQSGD:
             raise ValueError(
                 f"{owner}.method={value.method!r} is not valid: the warm-up codec must be stateless. "
-                f"Allowed values: {', '.join(FIRST_VISIT_METHODS)}."
+                f"Allowed values: {', '.join(available_codecs())}."
             )
         if value.feedback != "none":
             raise ValueError(
@@ -181,7 +192,7 @@ def _check_first_visit(value: Any) -> str | Compression:
         return value
     raise ValueError(
         f"{owner}={value!r} is not valid. Allowed values: {', '.join(FIRST_VISIT)}, or a stateless "
-        f"Compression (method: {', '.join(FIRST_VISIT_METHODS)}; feedback: none)."
+        f"Compression (method: {', '.join(available_codecs())}; feedback: none)."
     )
 
 
@@ -233,8 +244,9 @@ class Plan:
         data_parallel: pipeline replicas (D); the job has num_stages x data_parallel processes,
             rank = replica * num_stages + stage. Each stage averages its gradients over its D
             copies with `dp_compression`.
-        dp_compression: the data-parallel hook: a name from `hf_actcomp.dp.available_hooks()`,
-            or a dict with `method` and the hook's parameters, e.g. `{"method": "topk", "ratio": 0.01}`.
+        dp_compression: the data-parallel hook: a name from `hf_actcomp.dp.available_hooks()` (a
+            hook of your own once added with `hf_actcomp.dp.register_hook`), or a dict with
+            `method` and the hook's parameters, e.g. `{"method": "topk", "ratio": 0.01}`.
         tie_compression: how the rows of an embedding tied to the LM head (GPT-2, OPT) travel
             between the first and the last stage, e.g. `Compression("quantize", bits=8)`. None
             (default): exact, in the weight's dtype. Otherwise rows go as deltas against a mirror
@@ -290,7 +302,11 @@ class Plan:
         if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
             raise ValueError(f"Plan.data_parallel={self.data_parallel!r} must be an integer >= 1.")
         method = self.dp_compression.get("method") if isinstance(self.dp_compression, dict) else self.dp_compression
-        _check_choice("Plan", "dp_compression", method, DP_HOOKS)
+        # The hook registry (hf_actcomp.dp.base imports nothing of the package), imported here: at the
+        # top, importing it would first run hf_actcomp.dp, which imports this module via checkpoint.
+        from .dp.base import available_hooks
+
+        _check_choice("Plan", "dp_compression", method, available_hooks())
         if self.backward.method == "aqsgd":
             raise ValueError(
                 "Plan.backward.method='aqsgd' is not supported: AQ-SGD compresses activations; "
@@ -430,11 +446,11 @@ def _check_tie_compression(value: Any) -> None:
         return
     if not isinstance(value, Compression):
         raise ValueError(f"Plan.tie_compression={value!r} must be None, a Compression or a dict.")
-    if value.method == "aqsgd":
+    if value.method == AQSGD:
         raise ValueError(
             "Plan.tie_compression.method='aqsgd' is not valid: the tie sends rows as deltas against its own "
             "mirror of the first stage's copy, through a stateless codec. "
-            f"Allowed values: {', '.join(TIE_METHODS)}."
+            f"Allowed values: {', '.join(available_codecs())}."
         )
     if value.feedback == "ef21":
         raise ValueError(

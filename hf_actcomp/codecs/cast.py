@@ -46,6 +46,7 @@ class Fp16Codec(_HalfCodec):
     """IEEE half precision; values beyond +-65504 are clamped rather than sent as inf."""
 
     name = "fp16"
+    hub_tag = "fp16-activations"
     half = torch.float16
 
     def _to_half(self, x):
@@ -56,4 +57,5 @@ class Bf16Codec(_HalfCodec):
     """bfloat16: fp32's range with 8 bits of mantissa."""
 
     name = "bf16"
+    hub_tag = "bf16-activations"
     half = torch.bfloat16

@@ -21,9 +21,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import Codec, as_bytes, from_bytes, numel, seeded_generator
+from .base import Codec, Param, as_bytes, from_bytes, numel, seeded_generator
 from .packing import pack_bits, packed_nbytes, unpack_bits
-from .quantize import ROUNDINGS, codes_to_values, values_to_codes
+from .quantize import QuantizeCodec, codes_to_values, values_to_codes
+
+BOOST_FRACTION = Param(low=0.0, high=0.5, bounds="[)")  # a constructor argument only, not a plan field
 
 
 def hadamard_block(hidden: int) -> int:
@@ -92,19 +94,13 @@ class HadamardCodec(Codec):
     """
 
     name = "hadamard"
+    params = {key: QuantizeCodec.params[key] for key in ("bits", "group_size", "rounding", "seed")}  # no granularity
 
     def __init__(self, bits: int, group_size: int = 128, rounding: str = "deterministic", seed: int = 0,
                  boost_fraction: float = 0.0) -> None:
-        if not isinstance(bits, int) or not 1 <= bits <= 8:
-            raise ValueError(f"hadamard bits={bits!r} is outside the allowed range 1..8.")
-        if not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"hadamard group_size={group_size!r} must be a positive integer.")
-        if rounding not in ROUNDINGS:
-            raise ValueError(f"hadamard rounding={rounding!r} is not valid. Allowed values: {', '.join(ROUNDINGS)}.")
-        if not 0.0 <= float(boost_fraction) < 0.5:
-            raise ValueError(f"hadamard boost_fraction={boost_fraction!r} is outside the allowed range [0, 0.5).")
+        self.check_params(bits=bits, group_size=group_size, rounding=rounding)
         self.bits, self.group_size, self.rounding, self.seed = bits, group_size, rounding, seed
-        self.boost_fraction = float(boost_fraction)
+        self.boost_fraction = BOOST_FRACTION.check("hadamard boost_fraction", boost_fraction)
         self.calls = 0
         self._signs: dict[tuple[int, str], torch.Tensor] = {}
 

@@ -6,11 +6,19 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import Codec, as_bytes, from_bytes, numel, seeded_generator
+from .base import (
+    BITS,
+    GROUP_SIZE,
+    ROUNDING,
+    SEED,
+    Codec,
+    Param,
+    as_bytes,
+    from_bytes,
+    numel,
+    seeded_generator,
+)
 from .packing import pack_bits, packed_nbytes, unpack_bits
-
-GRANULARITIES = ("group", "channel")
-ROUNDINGS = ("deterministic", "stochastic")
 
 
 def values_to_codes(values: torch.Tensor, scales: torch.Tensor, levels: int,
@@ -49,17 +57,13 @@ class QuantizeCodec(Codec):
     """
 
     name = "quantize"
+    hub_tag = "quantization"
+    params = {"bits": BITS, "granularity": Param(choices=("group", "channel")), "group_size": GROUP_SIZE,
+              "rounding": ROUNDING, "seed": SEED}
 
     def __init__(self, bits: int, granularity: str = "group", group_size: int = 128,
                  rounding: str = "deterministic", seed: int = 0) -> None:
-        if not isinstance(bits, int) or not 1 <= bits <= 8:
-            raise ValueError(f"quantize bits={bits!r} is outside the allowed range 1..8.")
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"quantize granularity={granularity!r} is not valid. Allowed values: {', '.join(GRANULARITIES)}.")
-        if not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"quantize group_size={group_size!r} must be a positive integer.")
-        if rounding not in ROUNDINGS:
-            raise ValueError(f"quantize rounding={rounding!r} is not valid. Allowed values: {', '.join(ROUNDINGS)}.")
+        self.check_params(bits=bits, granularity=granularity, group_size=group_size, rounding=rounding)
         self.bits, self.granularity, self.group_size = bits, granularity, group_size
         self.rounding, self.seed = rounding, seed
         self.calls = 0

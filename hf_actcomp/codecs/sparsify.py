@@ -8,10 +8,12 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import Codec, as_bytes, from_bytes, numel, seeded_generator
+from .base import RATIO, SEED, Codec, Param, as_bytes, from_bytes, numel, seeded_generator
 from .cast import FP16_MAX
 
 VALUE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# The plan fields both sparsifiers take: the fraction kept, the dtype of the values sent, the seed.
+SPARSIFIER_PARAMS = {"ratio": RATIO, "value_dtype": Param(choices=tuple(VALUE_DTYPES)), "seed": SEED}
 
 
 def index_width(n: int) -> int:
@@ -22,13 +24,6 @@ def index_width(n: int) -> int:
 def keep_count(ratio: float, n: int) -> int:
     """k = round(ratio * n), at least 1 and at most n (0 for an empty tensor)."""
     return 0 if n == 0 else min(n, max(1, round(ratio * n)))
-
-
-def _check(ratio: float, value_dtype: str, codec: str) -> None:
-    if not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) <= 1.0:
-        raise ValueError(f"{codec} ratio={ratio!r} is outside the allowed range (0, 1].")
-    if value_dtype not in VALUE_DTYPES:
-        raise ValueError(f"{codec} value_dtype={value_dtype!r} is not valid. Allowed values: {', '.join(VALUE_DTYPES)}.")
 
 
 def _values_to_bytes(values: torch.Tensor, value_dtype: str) -> torch.Tensor:
@@ -71,11 +66,12 @@ class TopKCodec(Codec):
     """
 
     name = "topk"
+    params = SPARSIFIER_PARAMS
     sample_size = 4096
 
     def __init__(self, ratio: float, value_dtype: str = "fp16", seed: int = 0) -> None:
-        _check(ratio, value_dtype, "topk")
-        self.ratio, self.value_dtype, self.seed = float(ratio), value_dtype, seed
+        ratio = self.check_params(ratio=ratio, value_dtype=value_dtype)["ratio"]
+        self.ratio, self.value_dtype, self.seed = ratio, value_dtype, seed
         self.calls = 0
 
     def payload_nbytes(self, shape, dtype):
@@ -141,10 +137,11 @@ class RandKCodec(Codec):
     n / k: meant for use with error feedback, which returns what was dropped later."""
 
     name = "randk"
+    params = SPARSIFIER_PARAMS
 
     def __init__(self, ratio: float, value_dtype: str = "fp16", seed: int = 0) -> None:
-        _check(ratio, value_dtype, "randk")
-        self.ratio, self.value_dtype, self.seed = float(ratio), value_dtype, seed
+        ratio = self.check_params(ratio=ratio, value_dtype=value_dtype)["ratio"]
+        self.ratio, self.value_dtype, self.seed = ratio, value_dtype, seed
         self.calls = 0
 
     def payload_nbytes(self, shape, dtype):

@@ -5,7 +5,8 @@
 works on any `DistributedDataParallel` model, including the one `accelerator.prepare` returns.
 Hooks: `allreduce` (no compression, the exact average), `topk`, `randk`, `dgc`, `qsgd`,
 `ef_sign`, `marsit`, and torch's `powersgd`. `cast="fp16"` / `"bf16"` composes torch's
-half-precision wrapper with any of them.
+half-precision wrapper with any of them. `HOOKS` is the one registry of hook names: `register_hook`
+adds a `GradientCompressor` of your own, which `Plan(dp_compression=...)` then accepts.
 """
 
 import os
@@ -17,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import checkpoint
-from .base import GradientCompressor, ring_allreduce_bytes
+from .base import HOOKS, GradientCompressor, available_hooks, register_hook, ring_allreduce_bytes
 from .marsit import MarsitCompressor, merge_signs
 from .powersgd import PowerSGDCompressor
 from .quantized import EFSignCompressor, QSGDCompressor, qsgd_decode, qsgd_encode
@@ -34,14 +35,11 @@ class AllReduceCompressor(GradientCompressor):
         return self.all_reduce_sum(flat.div_(self.world_size))
 
 
-HOOKS: dict[str, type] = {cls.name: cls for cls in (
-    AllReduceCompressor, TopKCompressor, RandKCompressor, DGCCompressor, QSGDCompressor, EFSignCompressor,
-    MarsitCompressor, PowerSGDCompressor)}
+for _cls in (AllReduceCompressor, TopKCompressor, RandKCompressor, DGCCompressor, QSGDCompressor, EFSignCompressor,
+             MarsitCompressor):
+    register_hook(_cls)
+HOOKS[PowerSGDCompressor.name] = PowerSGDCompressor  # torch's own hook state, not a GradientCompressor
 CASTS = ("fp16", "bf16")
-
-
-def available_hooks() -> list[str]:
-    return sorted(HOOKS)
 
 
 def make_compressor(name: str, process_group: dist.ProcessGroup | None = None, **params: Any):
@@ -130,5 +128,5 @@ __all__ = [
     "CASTS", "HOOKS", "AllReduceCompressor", "DGCCompressor", "EFSignCompressor", "GradientCompressor",
     "MarsitCompressor", "PowerSGDCompressor", "QSGDCompressor", "RandKCompressor", "TopKCompressor",
     "available_hooks", "load_state", "make_compressor", "merge_signs", "qsgd_decode", "qsgd_encode", "register",
-    "ring_allreduce_bytes", "save_state",
+    "register_hook", "ring_allreduce_bytes", "save_state",
 ]

@@ -132,6 +132,32 @@ class GradientCompressor(abc.ABC):
         }
 
 
+# The one registry of data-parallel hooks by name, filled by `hf_actcomp.dp` and `register_hook`.
+# It lives here, in a module that imports nothing else of the package, so that `Plan` can check
+# `dp_compression` against it without an import cycle (hf_actcomp.dp imports plan via checkpoint).
+HOOKS: dict[str, type] = {}
+
+
+def register_hook(cls: type[GradientCompressor]) -> type[GradientCompressor]:
+    """Class decorator adding a data-parallel hook under `cls.name`: from then on
+    `hf_actcomp.dp.register`, `make_compressor` and `Plan(dp_compression=cls.name)` accept it.
+    Register it in every process before building the plan. Refuses a name already taken by
+    another class (`del HOOKS[name]` first to replace one)."""
+    if not (isinstance(cls, type) and issubclass(cls, GradientCompressor)):
+        raise TypeError(f"register_hook expects a GradientCompressor subclass, got {cls!r}.")
+    if not isinstance(cls.name, str) or not cls.name:
+        raise ValueError(f"{cls.__name__}.name={cls.name!r} must be a non-empty string.")
+    if cls.name in HOOKS and HOOKS[cls.name] is not cls:
+        raise ValueError(f"A data-parallel hook named {cls.name!r} is already registered ({HOOKS[cls.name].__name__}).")
+    HOOKS[cls.name] = cls
+    return cls
+
+
+def available_hooks() -> list[str]:
+    """Registered hook names, sorted."""
+    return sorted(HOOKS)
+
+
 def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
     """Bytes each worker sends in a ring all-reduce of `nbytes`: 2 (W - 1) / W of it."""
     return 2 * (world_size - 1) * nbytes // world_size
