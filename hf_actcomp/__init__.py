@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from . import hub, trackers
     from .trainer import ActCompTrainer
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "ActCompTrainer",

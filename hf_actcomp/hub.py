@@ -25,6 +25,7 @@ from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from huggingface_hub import constants as hub_constants
 
 from .codecs import CODECS
+from .dp.base import HOOKS
 from .plan import CONFIG_NAME, Compression, Plan
 
 logger = logging.getLogger(__name__)
@@ -36,8 +37,7 @@ TEMPLATE_NAME = "actcomp_model_card.md"
 
 # Tags of the methods that are not codecs (a codec's tag is its `hub_tag`); any other name (a
 # data-parallel hook of your own) is its own tag. Only the methods a run used are shown.
-_METHOD_TAGS = {"aqsgd": "aq-sgd", "ef": "error-feedback", "ef21": "ef21", "dgc": "dgc", "qsgd": "qsgd",
-                "marsit": "marsit", "ef_sign": "ef-signsgd", "powersgd": "powersgd"}
+_METHOD_TAGS = {"aqsgd": "aq-sgd", "ef": "error-feedback", "ef21": "ef21"}
 _CITATIONS = {
     "aqsgd": """@inproceedings{wang2022aqsgd,
   title={Fine-tuning Language Models over Slow Networks using Activation Compression with Guarantees},
@@ -250,7 +250,7 @@ def _is_repo_id(name: str | None) -> bool:
 
 def _methods(plan: Plan) -> dict[str, str]:
     """The methods a run used (wrapper, codecs, feedback, data-parallel hook), in order, each with
-    its Hub tag: a codec's from the codec registry, the others' from `_METHOD_TAGS`."""
+    its Hub tag: a codec's and a data-parallel hook's from their registries, the others' from `_METHOD_TAGS`."""
     methods: dict[str, str] = {}
     for c in (plan.forward, plan.backward):
         warm_up = c.first_visit.codec_name if c.method == "aqsgd" and isinstance(c.first_visit, Compression) else "none"
@@ -260,7 +260,7 @@ def _methods(plan: Plan) -> dict[str, str]:
     if plan.data_parallel > 1:
         hook = plan.dp_hook()[0]
         if hook != "allreduce":
-            methods.setdefault(hook, _METHOD_TAGS.get(hook, hook))
+            methods.setdefault(hook, getattr(HOOKS.get(hook), "hub_tag", None) or hook)
     return methods
 
 
@@ -384,7 +384,7 @@ def _versions(adapter: bool) -> str:
     import torch
     import transformers
 
-    from . import __version__
+    from .version import __version__
 
     lines = [f"- hf-actcomp {__version__}", f"- transformers {transformers.__version__}",
              f"- torch {torch.__version__}", f"- accelerate {accelerate.__version__}",

@@ -53,6 +53,33 @@ def training_batches(vocab: int, steps: int, batch: int = 4, length: int = 16):
                    sample_id=ids)
 
 
+def sgd_losses(model, step, steps: int, lr: float = 0.1) -> list[float]:
+    """The losses of `steps` SGD steps (clip norm 1) over `training_batches`, where
+    `step(batch)` runs forward and backward and returns the loss and `model` is what is optimised
+    and clipped: a `simulate()` module, or a `Pipeline` (its global clip norm)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    clip = getattr(model, "clip_grad_norm_", None) or (lambda norm: torch.nn.utils.clip_grad_norm_(model.parameters(), norm))
+    losses = []
+    for batch in training_batches(model.config.vocab_size, steps):
+        loss = step(batch)
+        clip(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def simulated_sgd_losses(sim, steps: int) -> list[float]:
+    """`sgd_losses` of a `simulate()` module: what a pipeline's workers compare against."""
+
+    def step(batch):
+        loss = sim(**batch).loss
+        loss.backward()
+        return loss
+
+    return sgd_losses(sim, step, steps)
+
+
 COMPRESSED_PLANS = {
     "aqsgd": lambda schedule: Plan(
         num_stages=2, micro_batches=2, schedule=schedule,

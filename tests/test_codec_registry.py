@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from distributed import run_workers
-from pipeline_cases import training_batches
+from pipeline_cases import simulated_sgd_losses, training_batches
 from toy_codec import AbsMaxCodec
 
 import hf_actcomp
@@ -156,18 +156,8 @@ def expected_boundary_bytes(model, steps: int, micro_batches: int = 2) -> dict[s
 
 def simulated_losses(plan: Plan, steps: int) -> tuple[list[float], dict]:
     """The losses of `steps` SGD steps under `simulate`, the training loop the worker runs."""
-    model = debug_model("gpt2", seed=0)
-    sim = simulate(model, plan)
-    optimizer = torch.optim.SGD(sim.parameters(), lr=0.1)
-    losses = []
-    for batch in training_batches(model.config.vocab_size, steps):
-        loss = sim(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(sim.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, sim.stats()
+    sim = simulate(debug_model("gpt2", seed=0), plan)
+    return simulated_sgd_losses(sim, steps), sim.stats()
 
 
 def test_simulate(absmax):

@@ -13,6 +13,7 @@ from pipeline_cases import (
     exact_schedules,
     padded_batch,
     reference_loss,
+    simulated_sgd_losses,
     tie_partners,
     training_batches,
 )
@@ -142,15 +143,7 @@ def test_compressed_run_matches_simulation(tmp_path, plan_name):
 
     model = debug_model("gpt2", seed=0)
     sim = simulate(model, COMPRESSED_PLANS[plan_name]("1f1b"))
-    optimizer = torch.optim.SGD(sim.parameters(), lr=0.1)
-    expected = []
-    for batch in training_batches(model.config.vocab_size, steps):
-        loss = sim(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(sim.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        expected.append(loss.item())
+    expected = simulated_sgd_losses(sim, steps)
     assert result["losses"] == pytest.approx(expected, rel=1e-4)
     assert result["losses"][-1] < result["losses"][0]
     sim.eval()  # evaluation: the stateless inference codec on both sides

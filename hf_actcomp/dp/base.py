@@ -27,6 +27,7 @@ class GradientCompressor(abc.ABC):
     """
 
     name: ClassVar[str] = ""
+    hub_tag: ClassVar[str | None] = None  # the model-card tag (None: the name)
     stateful: ClassVar[tuple[str, ...]] = ()  # names of per-parameter state tensors
     # Reduce in a canonical element order (parameters sorted by name), so that random streams,
     # chunks and buckets of the compressor do not depend on DDP's bucket layout, which changes

@@ -19,6 +19,7 @@ class PowerSGDCompressor:
     """
 
     name = "powersgd"
+    hub_tag = None  # the name
 
     def __init__(self, process_group=None, matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 2,
                  min_compression_rate: float = 2.0, warm_start: bool = True, seed: int = 0) -> None:

@@ -83,6 +83,7 @@ class EFSignCompressor(GradientCompressor):
     bit per element; memory = p - sent."""
 
     name = "ef_sign"
+    hub_tag = "ef-signsgd"
     stateful = ("memory",)
 
     def _reduce(self, flat, names, sizes):

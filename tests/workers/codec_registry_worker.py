@@ -8,11 +8,10 @@ import json
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pipeline_cases import training_batches  # noqa: E402
+from pipeline_cases import sgd_losses  # noqa: E402
 from toy_codec import AbsMaxCodec  # noqa: E402
 
 import hf_actcomp  # noqa: E402
@@ -26,14 +25,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     model = debug_model("gpt2", seed=0)
     pipe = hf_actcomp.prepare(model, plan, timeout=60)
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
-    losses = []
-    for batch in training_batches(model.config.vocab_size, steps):
-        out = pipe.train_step(batch)
-        pipe.clip_grad_norm_(1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(out.loss.item())
+    losses = sgd_losses(pipe, lambda batch: pipe.train_step(batch).loss, steps)
     stats = pipe.stats(gather=True)
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "result.json"), "w") as f:
