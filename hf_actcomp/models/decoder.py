@@ -130,7 +130,7 @@ class DecoderAdapter(ModelAdapter):
             config=self.config,
             inputs_embeds=hidden,
             attention_mask=attention_mask,
-            past_key_values=None,
+            cache=None,
             position_ids=position_ids,
         )
         kinds = {self.layer_mask_kind(i) for i in range(self.num_blocks)}
@@ -159,7 +159,6 @@ class DecoderAdapter(ModelAdapter):
             attention_mask=context["masks"][kind],
             position_embeddings=context["position_embeddings"][kind],
             position_ids=context["position_ids"],
-            past_key_values=None,
             use_cache=False,
         )
 

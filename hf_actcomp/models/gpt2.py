@@ -41,16 +41,15 @@ class GPT2Adapter(ModelAdapter):
             config=self.config,
             inputs_embeds=hidden,
             attention_mask=attention_mask,
-            past_key_values=None,
+            cache=None,
             position_ids=position_ids,
         )
         return {"attention_mask": mask, "position_ids": position_ids}
 
     def run_block(self, index: int, hidden: Tensor, context: dict[str, Any]) -> Tensor:
-        # The block's second positional parameter is the cache: everything else by keyword.
+        # The block's second positional parameter is the cache (left at None): the rest by keyword.
         return self.model.transformer.h[index](
             hidden,
-            past_key_values=None,
             attention_mask=context["attention_mask"],
             encoder_hidden_states=None,
             encoder_attention_mask=None,

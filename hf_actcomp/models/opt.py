@@ -70,7 +70,7 @@ class OPTAdapter(ModelAdapter):
             config=self.config,
             inputs_embeds=hidden,
             attention_mask=attention_mask,
-            past_key_values=None,
+            cache=None,
         )
         return {"attention_mask": mask, "position_ids": self._position_ids(hidden, attention_mask)}
 
@@ -83,7 +83,6 @@ class OPTAdapter(ModelAdapter):
             hidden,
             attention_mask=context["attention_mask"],
             position_ids=context["position_ids"],
-            past_key_values=None,
             use_cache=False,
         )
 
