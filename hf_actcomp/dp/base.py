@@ -17,6 +17,9 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+# torch >= 2.13 names it `all_gather_single` (and warns on the old name); older torch has only the old.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class GradientCompressor(abc.ABC):
     """Base class of the hooks. Subclasses implement `_reduce(flat, names)`.
@@ -97,7 +100,7 @@ class GradientCompressor(abc.ABC):
     def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
         """Every worker's payload (all the same size); counts the bytes of a ring all-gather."""
         out = torch.empty(self.world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
-        dist.all_gather_into_tensor(out, payload.contiguous(), group=self.group)
+        _all_gather_single(out, payload.contiguous(), group=self.group)
         self.bytes_sent += payload.numel() * (self.world_size - 1)
         return list(out.chunk(self.world_size))
 
