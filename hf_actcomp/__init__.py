@@ -2,6 +2,7 @@
 
 from typing import TYPE_CHECKING
 
+from .boundary import NonFiniteError
 from .codecs import available_codecs, make_codec, register_codec
 from .data import add_sample_ids
 from .inference import CompressedInference, compressed_inference
@@ -21,6 +22,7 @@ __all__ = [
     "CompressedInference",
     "Compression",
     "MemoryConfig",
+    "NonFiniteError",
     "PeerTimeoutError",
     "Pipeline",
     "Plan",

@@ -18,6 +18,25 @@ from .state_dict import prefixed, unprefixed  # re-exported: existing callers im
 from .telemetry import ChannelStats
 
 
+class NonFiniteError(FloatingPointError):
+    """A decoded boundary payload holds NaN or inf: the run stops where it arose instead of
+    spreading it to every later stage and step (resume from the last checkpoint)."""
+
+
+def check_finite(x: torch.Tensor, name: str, slot: int) -> torch.Tensor:
+    """`x` if every value is finite, else `NonFiniteError` naming the boundary direction and the
+    micro-batch. One fp32 sum: a NaN or inf anywhere makes it non-finite, at the cost of one read."""
+    if not bool(torch.isfinite(x.sum(dtype=torch.float32))):
+        boundary, _, direction = name.partition(".")
+        b = int(boundary.removeprefix("boundary"))
+        what = (f"activations sent by stage {b} to stage {b + 1}" if direction == "forward"
+                else f"activation gradients sent by stage {b + 1} to stage {b}")
+        raise NonFiniteError(f"Non-finite values (NaN or inf) in the {what} ({name}), micro-batch {slot}: "
+                             "the sending stage diverged (learning rate, loss scale, bad data) or the codec "
+                             "cannot represent its range.")
+    return x
+
+
 class Boundary:
     """Boundary direction `name` (e.g. `boundary0.forward`) with the ends this process holds.
 
@@ -59,7 +78,8 @@ class Boundary:
                 sample_ids: torch.Tensor | None = None, slot: int = 0) -> torch.Tensor:
         """Decode a payload (receiver end), updating the receiver's state."""
         with self.stats.timing("decode"):
-            return self.receiver.decode(payload, shape, dtype, sample_ids=sample_ids, slot=slot)
+            out = self.receiver.decode(payload, shape, dtype, sample_ids=sample_ids, slot=slot)
+        return check_finite(out, self.name, slot)
 
     def transfer(self, x: torch.Tensor, *, sample_ids: torch.Tensor | None = None, slot: int = 0) -> torch.Tensor:
         """Both ends in one process: what the receiver outputs for `x`."""

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .plan import FORMAT_VERSION
@@ -41,6 +42,13 @@ def _plan_fingerprint(plan_dict: dict[str, Any]) -> dict[str, Any]:
     memory = plan_dict.get("memory") or {}
     fingerprint["memory"] = {k: memory.get(k) for k in ("dtype", "num_samples")}
     return fingerprint
+
+
+def model_fingerprint(config) -> dict[str, Any]:
+    """What identifies a model's shape in saved state: its family and sizes (`config` of a
+    transformers model)."""
+    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    return {k: getattr(config, k, None) for k in keys}
 
 
 def save_state(directory: str | os.PathLike, rank: int, state: dict[str, torch.Tensor], metadata: dict[str, Any],
@@ -71,8 +79,11 @@ def load_state(directory: str | os.PathLike, rank: int, expected: dict[str, Any]
             f"No compression state for rank {rank} in {directory} (missing rank{rank}.json). "
             "Was it saved by a run with as many processes?"
         )
-    with open(meta_path) as f:
-        meta = json.load(f)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except ValueError as err:
+        raise ValueError(f"{meta_path} cannot be read ({err}); the file is truncated or damaged.") from err
     if meta.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(
             f"{meta_path} has format_version {meta['format_version']}, newer than this hf-actcomp "
@@ -83,7 +94,9 @@ def load_state(directory: str | os.PathLike, rank: int, expected: dict[str, Any]
     for key in running_plan:
         if saved_plan.get(key) != running_plan[key]:
             problems.append(f"plan.{key}: saved {saved_plan.get(key)!r}, running {running_plan[key]!r}")
-    for key in ("world_size", "stage", "blocks"):
+    for key in ("world_size", "stage", "blocks", "model"):
+        if key == "model" and "model" not in meta:  # saved before the model was recorded
+            continue
         if meta.get(key) != expected.get(key):
             problems.append(f"{key}: saved {meta.get(key)!r}, running {expected.get(key)!r}")
     if problems:
@@ -93,7 +106,13 @@ def load_state(directory: str | os.PathLike, rank: int, expected: dict[str, Any]
         )
     state: dict[str, torch.Tensor] = {}
     for filename in meta["files"]:
-        state.update(load_file(os.path.join(directory, filename)))  # memory-mapped, read when used
+        path = os.path.join(directory, filename)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: {meta_path} lists it. The state was not written completely.")
+        try:
+            state.update(load_file(path))  # memory-mapped, read when used
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{path} cannot be read ({err}); the file is truncated or damaged.") from err
     return state
 
 
@@ -139,9 +158,13 @@ class CompressionState:
         """Write this rank's files (`rank{r}.json` and its safetensors) to `directory`."""
         save_state(directory, self.rank, self.state_dict(), self.metadata, max_shard_size=max_shard_size)
 
+    def read(self, directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+        """The state written by `save`, checked against this plan, layout and model, not applied."""
+        return load_state(directory, self.rank, self.metadata)
+
     def load(self, directory: str | os.PathLike) -> None:
-        """Read state written by `save` under the same plan and layout (checked first)."""
-        self.load_state_dict(load_state(directory, self.rank, self.metadata))
+        """Read state written by `save` under the same plan, layout and model (checked first)."""
+        self.load_state_dict(self.read(directory))
 
     def register_for_checkpointing(self, accelerator) -> None:
         """`accelerator.save_state(dir)` / `load_state(dir)` also save / load this state under

@@ -24,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .batching import MicroBatch, check_batch, count_label_tokens, split_batch
 from .boundary import Boundary
-from .checkpoint import CompressionState
+from .checkpoint import CompressionState, model_fingerprint
 from .models import get_adapter
 from .models.router import RouterLoss, router_spec
 from .models.split import stage_ranges
@@ -128,7 +128,8 @@ class SimulatedPipeline(nn.Module):
             self.traffic["tie"] = TrafficCounter()
         # All of it, as a pipeline's rank 0 would save it for the whole model.
         self.compression = CompressionState({**self.boundaries, "tie": self.tie}, rank=0, metadata={
-            "plan": plan.to_dict(), "world_size": 1, "stage": "all", "blocks": [[r.start, r.stop] for r in self.ranges]})
+            "plan": plan.to_dict(), "world_size": 1, "stage": "all", "blocks": [[r.start, r.stop] for r in self.ranges],
+            "model": model_fingerprint(model.config)})
 
     @property
     def config(self):

@@ -22,8 +22,8 @@ from torch import nn
 
 from .. import checkpoint
 from ..batching import MicroBatch, check_batch, count_label_tokens, split_batch
-from ..boundary import Boundary
-from ..checkpoint import CompressionState
+from ..boundary import Boundary, NonFiniteError
+from ..checkpoint import CompressionState, model_fingerprint
 from ..codecs import make_codec
 from ..dp import make_compressor
 from ..dp.base import ring_allreduce_bytes
@@ -157,7 +157,8 @@ class Pipeline(nn.Module):
         r = ranges[s]
         self.compression = CompressionState(
             {**self.boundaries, "tie": self.tie, "data_parallel": self.dp_compressor}, rank=self.mesh.rank,
-            metadata={"plan": plan.to_dict(), "world_size": plan.world_size, "stage": s, "blocks": [r.start, r.stop]})
+            metadata={"plan": plan.to_dict(), "world_size": plan.world_size, "stage": s, "blocks": [r.start, r.stop],
+                      "model": model_fingerprint(self.config)})
         self.weights = StageWeights(self.stage, self.mesh, self.group, self.tied_pairs, self.peft_model)
         self._sync = True
         # This stage's own timers; the transport and the gradient sync keep theirs (waiting on
@@ -252,14 +253,15 @@ class Pipeline(nn.Module):
         saved: dict[int, tuple] = {}
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         actions = stage_actions(self.plan.schedule, self.stage_index, self.mesh.num_stages, len(micro))
-        for k, (kind, i) in enumerate(actions):
-            pair = k + 1 < len(actions) and self._receives(actions[k + 1][0])
-            if kind == "F":
-                saved[i] = self._forward(i, micro[i], normaliser, pair)
-                if self.is_last:
-                    total += saved[i][1].detach().float()
-            else:
-                self._backward(i, *saved.pop(i), pair)
+        with self._naming_the_step("training"):
+            for k, (kind, i) in enumerate(actions):
+                pair = k + 1 < len(actions) and self._receives(actions[k + 1][0])
+                if kind == "F":
+                    saved[i] = self._forward(i, micro[i], normaliser, pair)
+                    if self.is_last:
+                        total += saved[i][1].detach().float()
+                else:
+                    self._backward(i, *saved.pop(i), pair)
         if self.tie is not None:
             self.tie.gather_gradient(batch["input_ids"])
         self.transport.flush()
@@ -292,7 +294,8 @@ class Pipeline(nn.Module):
             for i, mb in enumerate(micro):
                 x, side = mb.input_ids, None
                 if not self.is_first:
-                    x, side = self.links["forward_in"].receive(i, self._shape(mb), codec=receiver)
+                    with self._naming_the_step("evaluation"):
+                        x, side = self.links["forward_in"].receive(i, self._shape(mb), codec=receiver)
                 with self._autocast(), self._collecting_routers():
                     out = self.stage(x, mb.attention_mask)
                 stats, probs = self.router.partial(mb.attention_mask, self.device, side) if self.router else (None, None)
@@ -305,6 +308,14 @@ class Pipeline(nn.Module):
         finally:
             self.stage.train(was_training)
         return StepOutput(loss=self._broadcast_loss(self._mean_over_replicas(total)), num_tokens=num_tokens)
+
+    @contextlib.contextmanager
+    def _naming_the_step(self, what: str):
+        """A non-finite payload's error also names the step and the stage that received it."""
+        try:
+            yield
+        except NonFiniteError as err:
+            raise NonFiniteError(f"{what.capitalize()} step {self.steps + 1}, stage {self.stage_index}: {err}") from None
 
     def _shape(self, mb: MicroBatch) -> tuple[int, ...]:
         """The shape of what crosses a boundary for micro-batch `mb` (either direction)."""

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..boundary import Boundary
+from ..boundary import Boundary, check_finite
 from ..codecs import Codec
 from ..telemetry import TrafficCounter
 from .transport import PostedRecv, Transport
@@ -79,7 +79,7 @@ class StageLink:
         if self.side_numel:
             payload, side = payload[:nbytes], payload[nbytes:].clone().view(torch.float32)
         if codec is not None:
-            return codec.decode(payload, shape, self.dtype), side
+            return check_finite(codec.decode(payload, shape, self.dtype), self.boundary.name, i), side
         return self.boundary.receive(payload, shape, self.dtype, sample_ids=sample_ids, slot=i), side
 
     # ------------------------------------------------------------------ sending end

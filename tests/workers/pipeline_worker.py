@@ -187,6 +187,25 @@ def dead_peer(out_dir: str) -> None:
         os._exit(4)
 
 
+def non_finite(out_dir: str) -> None:
+    """Stage 0's weights turn NaN after a good step: stage 1 stops at the next payload with an
+    error naming the step, stage, direction and micro-batch; stage 0 then loses its peer."""
+    model = debug_model("gpt2", seed=0)
+    plan = Plan(num_stages=2, micro_batches=2, forward=Compression("quantize", bits=8))
+    pipe = hf_actcomp.prepare(model, plan, timeout=10)
+    batch = padded_batch(model.config.vocab_size)
+    pipe.train_step(batch)
+    if pipe.is_first:
+        with torch.no_grad():
+            next(p for n, p in pipe.stage.named_parameters() if ".h.0." in n).fill_(float("nan"))
+    try:
+        pipe.train_step(batch)
+    except (hf_actcomp.NonFiniteError, hf_actcomp.PeerTimeoutError) as err:
+        with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"type": type(err).__name__, "error": str(err)}, f)
+        os._exit(5)
+
+
 def bad_world(out_dir: str) -> None:
     """A 3-stage plan in a 2-process job fails on every rank before any message."""
     try:
@@ -379,6 +398,7 @@ def main() -> None:
      "compressed": lambda: compressed(out_dir, rest[0], int(rest[1]), rest[2]),
      "resume": lambda: resume(out_dir, rest[0]),
      "dead_peer": lambda: dead_peer(out_dir),
+     "non_finite": lambda: non_finite(out_dir),
      "bad_world": lambda: bad_world(out_dir),
      "autocast": lambda: autocast(out_dir),
      "two_d": lambda: two_d(out_dir, rest[0]),
