@@ -19,6 +19,7 @@ Assumes the ranks share the output directory's filesystem, as every per-stage sa
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ import re
 import time
 from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
@@ -33,10 +35,13 @@ logger = logging.getLogger(__name__)
 COMPLETE_MARKER = "actcomp_complete.json"
 CHECKPOINT_PREFIX = "checkpoint"
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
-# Test hook: `step:rank` makes that rank pause in the middle of writing that checkpoint (after its
-# first file) and write its pid to HF_ACTCOMP_FAULT_PID_FILE, so that a test can kill it there.
-FAULT_ENV = "HF_ACTCOMP_FAULT_IN_CHECKPOINT"
+# Test hook: `step:rank:moment` makes that rank pause at that moment of that step and write its pid
+# to HF_ACTCOMP_FAULT_PID_FILE, so that a test can kill it there. Moments: `writing` (in the middle
+# of writing the step's checkpoint, after its first files) and `after` (once that checkpoint is
+# complete). Only before the first restart: the restarted group runs through.
+FAULT_ENV = "HF_ACTCOMP_FAULT_AT"
 FAULT_PID_FILE_ENV = "HF_ACTCOMP_FAULT_PID_FILE"
+FAULT_MOMENTS = ("writing", "after")
 
 
 def restart_count() -> int:
@@ -45,6 +50,30 @@ def restart_count() -> int:
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     except ValueError:
         return 0
+
+
+def init_distributed(timeout: float, backend: str | None = None) -> None:
+    """Initialise torch.distributed for a job that torchrun (or `accelerate launch --max_restarts`)
+    may restart, with `timeout` seconds on every collective of the default group.
+
+    torchrun's agent keeps one TCP store for the whole job (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE`
+    unset), and torch's groups keep their keys there under the same names in every restart: a
+    restarted rank may read a dead peer's address and fail to connect (pytorch#135712). Here each
+    restart's keys live under their own prefix. Call before creating the `Accelerator`, which then
+    uses this group. A no-op outside a launched job or when torch.distributed is up already.
+    """
+    if dist.is_initialized() or "RANK" not in os.environ:
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    delta = datetime.timedelta(seconds=timeout)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        dist.init_process_group(backend, timeout=delta, rank=rank, world_size=world_size)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=delta)
+    store = dist.PrefixStore(f"hf_actcomp/restart{restart_count()}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
 
 
 def checkpoint_dir(output_dir: str | os.PathLike, step: int) -> str:
@@ -123,7 +152,10 @@ def _fsync_tree(path: str) -> None:
     """Flush every file under `path`, and the directories themselves, to disk."""
     for root, _, files in os.walk(path):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:  # another rank's temporary file may be renamed away meanwhile: its writer syncs it
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
             try:
                 os.fsync(fd)
             finally:
@@ -179,13 +211,15 @@ def writing_checkpoint(path: str | os.PathLike, *, group: dist.ProcessGroup | No
     _barrier(group)
 
 
-def maybe_pause_for_fault_test(step: int, rank: int) -> None:
+def maybe_pause_for_fault_test(step: int, rank: int, moment: str) -> None:
     """The test hook of `FAULT_ENV` (a no-op unless set, and only before the first restart)."""
     spec = os.environ.get(FAULT_ENV)
     if not spec or restart_count() > 0:
         return
-    want_step, _, want_rank = spec.partition(":")
-    if int(want_step) != step or int(want_rank or 0) != rank:
+    want_step, want_rank, want_moment = spec.split(":")
+    if want_moment not in FAULT_MOMENTS:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: the moment must be one of {', '.join(FAULT_MOMENTS)}.")
+    if (int(want_step), int(want_rank), want_moment) != (step, rank, moment):
         return
     pid_file = os.environ.get(FAULT_PID_FILE_ENV)
     if pid_file:

@@ -54,7 +54,7 @@ def save_training_state(directory: str | os.PathLike, *, rank: int, module: nn.M
     step = int(progress.get("step", -1))
     compression.save(os.path.join(directory, COMPRESSION_STATE_DIR))
     save_model(module, files["weights"])
-    maybe_pause_for_fault_test(step, rank)  # a test may kill this rank here, in the middle of the write
+    maybe_pause_for_fault_test(step, rank, "writing")  # a test may kill this rank here, in the middle of the write
     state = {"optimizer": optimizer.state_dict()}
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()

@@ -14,6 +14,7 @@ or override the plan from flags: `--forward aqsgd,bits=2 --backward quantize,bit
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -21,13 +22,21 @@ import os
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, default_data_collator
 
 import hf_actcomp
 from hf_actcomp.data import build_tokenizer, causal_lm_datasets, offline_corpus
+from hf_actcomp.resume import (
+    checkpoint_dir,
+    init_distributed,
+    maybe_pause_for_fault_test,
+    resolve_resume_from_checkpoint,
+    writing_checkpoint,
+)
+from hf_actcomp.training_state import load_training_state, save_training_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PLAN = os.path.join(HERE, "configs", "plan_aqsgd_fw4_bw8.yaml")
@@ -66,8 +75,16 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--max_train_samples", type=int, default=512)
+    p.add_argument("--max_eval_samples", type=int, default=None, help="evaluate on the first N eval rows only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="outputs/finetune_gpt2")
+    p.add_argument("--save_steps", type=int, default=0,
+                   help="write a checkpoint (output_dir/checkpoint-STEP) every N steps; 0: only the final model")
+    p.add_argument("--resume_from_checkpoint", default=None,
+                   help="'auto' (the newest complete checkpoint in output_dir, or a fresh start) or a checkpoint "
+                        "directory; default: a fresh start, or 'auto' when torchrun restarted the job")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a rank waits for a peer (or a collective) before it fails, naming the peer")
     p.add_argument("--report_to", default=None, help="a tracker (tensorboard, wandb, ...); fails at once if missing")
     p.add_argument("--logging_steps", type=int, default=10, help="record losses and bytes for the curves every N steps")
     p.add_argument("--push_to_hub", action="store_true", help="upload the saved model, card and curves to the Hub")
@@ -123,6 +140,8 @@ def load_data(args, tokenizer=None):
         texts = [t for t in raw[args.text_column] if t.strip()]
     train, evaluation = causal_lm_datasets(tokenizer, texts, seq_len=args.seq_len,
                                            max_train_samples=args.max_train_samples)
+    if args.max_eval_samples is not None:
+        evaluation = evaluation.select(range(min(args.max_eval_samples, len(evaluation))))
     return tokenizer, train, evaluation
 
 
@@ -166,8 +185,15 @@ def check_hub_args(args) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     check_hub_args(args)
+    if args.save_steps < 0:
+        raise ValueError(f"--save_steps={args.save_steps} must be 0 (no checkpoints) or a positive number of steps.")
+    # Collectives of the default group time out too, so that no rank waits forever for a lost one,
+    # and a group restarted by torchrun finds its peers (not the addresses of the dead ones).
+    init_distributed(args.timeout)
+    timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=args.timeout))
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=args.report_to,
-                              project_dir=args.output_dir)
+                              project_dir=args.output_dir, kwargs_handlers=[timeout])
+    resume_from = resolve_resume_from_checkpoint(args.resume_from_checkpoint, args.output_dir)
     set_seed(args.seed)
     tokenizer = None if args.model == "offline-gpt2" else AutoTokenizer.from_pretrained(args.model)
     tokenizer, train, evaluation = load_data(args, tokenizer)
@@ -179,7 +205,7 @@ def main(argv=None) -> dict:
     if distributed:
         # One stage per process; every rank must see the same batches, so the loaders are NOT
         # sharded by Accelerate: a seeded shuffle gives every rank the same order.
-        runner = hf_actcomp.prepare(model, plan, device=accelerator.device)
+        runner = hf_actcomp.prepare(model, plan, device=accelerator.device, timeout=args.timeout)
         params = runner.parameters()
     else:
         runner = hf_actcomp.simulate(model, plan)
@@ -210,16 +236,40 @@ def main(argv=None) -> dict:
     # fork_rng: iterating a DataLoader draws a seed from the global RNG, which would shift dropout.
     # Its traffic is not counted: the results report what training and the final evaluation send.
     evaluate = evaluate_pipeline if distributed else evaluate_simulated
-    with torch.random.fork_rng(devices=[]):
-        initial_eval_loss = evaluate(runner, eval_loader)
+    # What this rank trains and checkpoints: its stage, or (one process) the whole model.
+    module, rank = (runner.stage, accelerator.process_index) if distributed else (pipeline.model, 0)
+    step, start_epoch, skip, history = 0, 0, 0, []  # history: for the curves next to the model
+    if resume_from is not None:
+        # Weights, optimizer, compression state, RNG and the epoch's data order, as they were.
+        done = load_training_state(resume_from, rank=rank, module=module, optimizer=optimizer,
+                                   compression=pipeline.compression, generator=generator)
+        step, start_epoch, skip = done["step"], done["epoch"], done["batches_done_in_epoch"]
+        history, initial_eval_loss = done["history"], done["initial_eval_loss"]
+        accelerator.print(f"Resumed from {resume_from} at step {step} (epoch {start_epoch}, batch {skip}).")
+    else:
+        with torch.random.fork_rng(devices=[]):
+            initial_eval_loss = evaluate(runner, eval_loader)
     if distributed:
         runner.reset_stats()
 
-    step = 0
-    history: list[dict] = []  # for the curves next to the model
-    progress = tqdm(total=args.epochs * len(train_loader), disable=not accelerator.is_local_main_process)
-    for epoch in range(args.epochs):
-        for batch in train_loader:
+    def save_checkpoint(epoch: int, batches_done: int, epoch_order: torch.Tensor) -> None:
+        """Every rank writes its part of output_dir/checkpoint-STEP; complete once all have."""
+        order = torch.Generator()
+        order.set_state(epoch_order)  # resuming redraws this epoch's order, then skips what was done
+        progress_state = {"step": step, "epoch": epoch, "batches_done_in_epoch": batches_done,
+                          "history": history, "initial_eval_loss": initial_eval_loss}
+        with writing_checkpoint(checkpoint_dir(args.output_dir, step)) as directory:
+            save_training_state(directory, rank=rank, module=module, optimizer=optimizer,
+                                compression=pipeline.compression, progress=progress_state, generator=order)
+        maybe_pause_for_fault_test(step, rank, "after")
+
+    progress = tqdm(total=args.epochs * len(train_loader), initial=step,
+                    disable=not accelerator.is_local_main_process)
+    for epoch in range(start_epoch, args.epochs):
+        epoch_order = generator.get_state()  # the loader draws this epoch's order from it
+        for b, batch in enumerate(train_loader):
+            if epoch == start_epoch and b < skip:
+                continue
             if distributed:
                 loss = runner.train_step(batch).loss
                 runner.clip_grad_norm_(args.max_grad_norm)
@@ -239,6 +289,8 @@ def main(argv=None) -> dict:
                 gathered = runner.stats(gather=True) if distributed else stats  # collective when distributed
                 history.append({"step": step, "loss": loss.item(), "comm/bytes_sent": gathered["bytes_sent"],
                                 **{f"comm/{n}/bytes_sent": c["bytes_sent"] for n, c in gathered["channels"].items()}})
+            if args.save_steps and step % args.save_steps == 0:
+                save_checkpoint(epoch, b + 1, epoch_order)
     progress.close()
 
     if distributed:

@@ -31,8 +31,6 @@ def parse_args(argv=None):
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--warmup_steps", type=int, default=10)
     p.add_argument("--lr_scheduler_type", default="linear", help="any of TrainingArguments' (linear, constant, cosine, ...)")
-    p.add_argument("--save_steps", type=int, default=None, help="write a checkpoint every N optimizer steps")
-    p.add_argument("--resume_from_checkpoint", default=None)
     p.add_argument("--bf16", action="store_true", help="compute in bfloat16 (autocast)")
     p.add_argument("--lora", action="store_true", help="train a LoRA adapter instead of every weight")
     p.add_argument("--lora_config", default=os.path.join(HERE, "configs", "lora_gpt2.yaml"))
@@ -64,7 +62,7 @@ def main(argv=None) -> dict:
     )
     trainer = hf_actcomp.ActCompTrainer(model=model, args=training_args, plan=plan, train_dataset=train,
                                         eval_dataset=evaluation, data_collator=default_data_collator,
-                                        processing_class=tokenizer)
+                                        processing_class=tokenizer, timeout=args.timeout)
     train_output = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = trainer.evaluate()
     trainer.save_model(args.output_dir)
