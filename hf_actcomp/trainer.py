@@ -113,6 +113,7 @@ class ActCompTrainer(Trainer):
         model = self._backend.load(model, torch_dtype)
         super().__init__(model=model, args=args, **kwargs)
         self.plan = plan
+        self._parameters_per_rank: float | None = None  # floating_point_ops' count, taken once
         self._backend.start()
         self._train_collator = self.data_collator
         if aqsgd and train_dataset is not None:
@@ -219,6 +220,18 @@ class ActCompTrainer(Trainer):
             logs[f"comm/stage{stage}/seconds_computing"] = timing["seconds_computing"]
             logs[f"comm/stage{stage}/seconds_waiting"] = timing["seconds_waiting"]
         return logs
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> float:
+        """Trainer's estimate, 6 x tokens x non-embedding parameters, with the parameters counted
+        once (Trainer counts them at every micro-step), and, with several processes, this rank's
+        share: the stages of a pipeline read one batch, and Trainer sums `total_flos` over ranks."""
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(self.model, "num_parameters"):
+            return 0
+        if self._parameters_per_rank is None:
+            self._parameters_per_rank = (self.model.num_parameters(exclude_embeddings=True)
+                                         / self._backend.ranks_per_batch)
+        return 6 * inputs[main_input].numel() * self._parameters_per_rank
 
     # ------------------------------------------------------------------------- evaluation
     def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,

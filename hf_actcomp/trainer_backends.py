@@ -64,6 +64,7 @@ class OneProcess(Backend):
     """The plan's stages in this process (`simulate`), under Trainer's own loop."""
 
     num_replicas = 1
+    ranks_per_batch = 1  # ranks that read the same batch
 
     def _load_named(self, name, torch_dtype):
         return AutoModelForCausalLM.from_pretrained(name, **({"dtype": torch_dtype} if torch_dtype else {}))
@@ -159,6 +160,11 @@ class Pipelined(Backend):
     def num_replicas(self) -> int:
         return self.plan.data_parallel
 
+    @property
+    def ranks_per_batch(self) -> int:
+        """The stages of one pipeline read the same batch."""
+        return self.plan.num_stages
+
     def _load_named(self, name, torch_dtype):
         # This rank's stage only; the rest of the model stays on the meta device.
         self.runner = prepare(name, self.plan, timeout=self.timeout, autocast_dtype=self.autocast_dtype,
@@ -185,14 +191,15 @@ class Pipelined(Backend):
 
     def num_items_in_batch(self, batch_samples: list, device: torch.device):
         """Label tokens of the optimizer step over every replica (not over every rank: the
-        stages of one pipeline read the same batch)."""
+        stages of one pipeline read the same batch). Only the last stage computes a loss, so only
+        it sums over the replicas (a collective); the others keep their own count, unused."""
         if not batch_samples or "labels" not in batch_samples[0]:
             return None
         # Counted as Trainer counts (shifted only when it knows the loss shifts), so that the
         # logged loss equals plain Trainer's on the unsplit model.
         shifted = self.trainer._loss_shifts_labels
         local = sum(int(((b["labels"][..., 1:] if shifted else b["labels"]) != -100).sum()) for b in batch_samples)
-        return self.pipe.count_over_replicas(local)
+        return self.pipe.count_over_replicas(local) if self.pipe.is_last else local
 
     # -- training
     def optimized_module(self, model):

@@ -54,6 +54,7 @@ def test_in_process_matches_plain_trainer(tmp_path):
     trainer.train()
     weights = {n: p.detach() for n, p in model.named_parameters()}
     _assert_same_run(reference, _logged(trainer, "loss"), _logged(trainer, "grad_norm"), weights, reference_model)
+    assert trainer.state.total_flos == reference.state.total_flos  # parameters counted once, the same estimate
 
     # Every logging step carries the boundary bytes: identity codec, fp32, forward + backward of
     # every accumulation micro-step so far.
