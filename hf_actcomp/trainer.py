@@ -33,6 +33,7 @@ from .batching import count_label_tokens
 from .data import SAMPLE_ID, add_sample_ids
 from .pipeline.checkpointing import COMPRESSION_STATE_DIR
 from .plan import Plan
+from .resume import resolve_resume_from_checkpoint, writing_checkpoint
 from .trackers import check_trackers
 from .trainer_backends import backend_for
 
@@ -293,12 +294,24 @@ class ActCompTrainer(Trainer):
         hub.write_model_card(self.args.output_dir, repo_id=getattr(self, "hub_model_id", None),
                              base_model=finetuned_from, datasets=datasets_)
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs):
+        """`Trainer.train`, where `resume_from_checkpoint="auto"` (or True) means the newest
+        *complete* checkpoint in `output_dir` (torn ones are skipped with a warning), or a fresh
+        start when there is none; `None` means `"auto"` when torchrun / `accelerate launch
+        --max_restarts` restarted this job. See docs/reliability.md."""
+        resume = resolve_resume_from_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        return super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
+                             **kwargs)
+
     def _save_checkpoint(self, model, trial) -> None:
-        super()._save_checkpoint(model, trial)
+        """Trainer's checkpoint plus every rank's compression state, marked complete (the
+        `actcomp_complete.json` of `hf_actcomp.resume`) only once every rank has written its part."""
         output_dir = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.args.save_only_model:
-            return
-        self._backend.save_compression_state(os.path.join(output_dir, COMPRESSION_STATE_DIR))
+        with writing_checkpoint(output_dir, is_main=self.is_world_process_zero()):
+            super()._save_checkpoint(model, trial)
+            if not self.args.save_only_model:
+                self._backend.save_compression_state(os.path.join(output_dir, COMPRESSION_STATE_DIR))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self._backend.save_optimizer_and_scheduler(output_dir)

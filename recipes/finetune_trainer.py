@@ -21,6 +21,7 @@ from finetune_gpt2 import build_model, build_parser, check_hub_args, load_data, 
 from transformers import AutoTokenizer, TrainingArguments, default_data_collator, set_seed
 
 import hf_actcomp
+from hf_actcomp.resume import init_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -40,6 +41,8 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     check_hub_args(args)
+    # Before TrainingArguments creates the process group: each torchrun restart finds its peers.
+    init_distributed(args.timeout)
     set_seed(args.seed)
     tokenizer = None if args.model == "offline-gpt2" else AutoTokenizer.from_pretrained(args.model)
     tokenizer, train, evaluation = load_data(args, tokenizer)

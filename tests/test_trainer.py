@@ -176,6 +176,35 @@ def test_in_process_resume_continues_exactly(tmp_path, forward):
         torch.testing.assert_close(resumed_weights[name], value, rtol=0, atol=0, msg=name)
 
 
+def test_auto_resume_skips_a_torn_checkpoint_and_continues_exactly(tmp_path, caplog):
+    """Checkpoints are marked complete; `train(resume_from_checkpoint="auto")` takes the newest
+    complete one (here checkpoint-2: checkpoint-4 lost its marker, as a kill mid-write leaves it)
+    and ends with the uninterrupted run's weights."""
+    import shutil
+
+    plan = Plan(num_stages=2, forward=Compression("aqsgd", bits=4), backward=Compression("quantize", bits=8))
+
+    def trainer_for(name):
+        model = debug_model("gpt2", seed=0)
+        args = training_args(str(tmp_path / name), max_steps=6, save_strategy="steps", save_steps=2)
+        return model, ActCompTrainer(model=model, args=args, plan=plan, train_dataset=ragged_dataset(),
+                                     data_collator=pad_collator)
+
+    model, trainer = trainer_for("straight")
+    trainer.train()
+    assert all((tmp_path / "straight" / f"checkpoint-{s}" / "actcomp_complete.json").is_file() for s in (2, 4, 6))
+    for step in (2, 4):
+        shutil.copytree(tmp_path / "straight" / f"checkpoint-{step}", tmp_path / "killed" / f"checkpoint-{step}")
+    os.remove(tmp_path / "killed" / "checkpoint-4" / "actcomp_complete.json")
+    resumed_model, resumed = trainer_for("killed")
+    with caplog.at_level("WARNING", logger="hf_actcomp.resume"):
+        resumed.train(resume_from_checkpoint="auto")
+    assert "Skipping the incomplete checkpoint" in caplog.text and "checkpoint-4" in caplog.text
+    assert f"resuming from {tmp_path / 'killed' / 'checkpoint-2'}" in caplog.text
+    for (name, p), q in zip(model.named_parameters(), resumed_model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
+
+
 def test_pad_to_length_changes_no_loss_or_gradient():
     model = debug_model("llama", seed=0)
     rows = [ragged_dataset()[i] for i in range(4)]
