@@ -114,7 +114,7 @@ class ActCompTrainer(Trainer):
         model = self._backend.load(model, torch_dtype)
         super().__init__(model=model, args=args, **kwargs)
         self.plan = plan
-        self._parameters_per_rank: float | None = None  # floating_point_ops' count, taken once
+        self._parameters_per_rank: int | None = None  # floating_point_ops' count, taken once
         self._backend.start()
         self._train_collator = self.data_collator
         if aqsgd and train_dataset is not None:
@@ -230,8 +230,7 @@ class ActCompTrainer(Trainer):
         if main_input not in inputs or not hasattr(self.model, "num_parameters"):
             return 0
         if self._parameters_per_rank is None:
-            self._parameters_per_rank = (self.model.num_parameters(exclude_embeddings=True)
-                                         / self._backend.ranks_per_batch)
+            self._parameters_per_rank = self._backend.non_embedding_parameters(self.model)
         return 6 * inputs[main_input].numel() * self._parameters_per_rank
 
     # ------------------------------------------------------------------------- evaluation

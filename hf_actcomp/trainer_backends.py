@@ -64,7 +64,10 @@ class OneProcess(Backend):
     """The plan's stages in this process (`simulate`), under Trainer's own loop."""
 
     num_replicas = 1
-    ranks_per_batch = 1  # ranks that read the same batch
+
+    def non_embedding_parameters(self, model) -> int:
+        """What Trainer's flop estimate counts: the model's parameters without its embeddings."""
+        return model.num_parameters(exclude_embeddings=True)
 
     def _load_named(self, name, torch_dtype):
         return AutoModelForCausalLM.from_pretrained(name, **({"dtype": torch_dtype} if torch_dtype else {}))
@@ -160,10 +163,14 @@ class Pipelined(Backend):
     def num_replicas(self) -> int:
         return self.plan.data_parallel
 
-    @property
-    def ranks_per_batch(self) -> int:
-        """The stages of one pipeline read the same batch."""
-        return self.plan.num_stages
+    def non_embedding_parameters(self, model) -> int:
+        """This rank's share of Trainer's flop count: its stage's parameters without embeddings
+        (a tied weight counted once, as transformers counts it). Trainer sums the ranks' estimates,
+        so the stages of one batch add up to the whole model's count."""
+        base = unwrap_peft(model)
+        embeddings = {f"{name}.weight" for name, module in base.named_modules() if isinstance(module, torch.nn.Embedding)}
+        own = {id(p) for p in self.runner.stage.parameters()}
+        return sum(p.numel() for name, p in base.named_parameters() if name not in embeddings and id(p) in own)
 
     def _load_named(self, name, torch_dtype):
         # This rank's stage only; the rest of the model stays on the meta device.

@@ -37,6 +37,7 @@ def main(spec: dict, out_dir: str) -> None:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     with open(os.path.join(out_dir, f"losses-rank{rank}.json"), "w") as f:
         json.dump({"losses": [h["loss"] for h in logs], "logs": logs, "metrics": metrics,
+                   "total_flos": trainer.state.total_flos,
                    "meta_parameters": sum(p.device.type == "meta" for p in trainer.model.parameters()),
                    "memory": _memory_report(trainer.pipe)}, f)
     weights = {n: p.detach().contiguous() for n, p in trainer.pipe.stage.named_parameters()}
