@@ -30,8 +30,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker, speed
 
 from . import hub
 from .batching import count_label_tokens
+from .checkpoint import COMPRESSION_STATE_DIR
 from .data import SAMPLE_ID, add_sample_ids
-from .pipeline.checkpointing import COMPRESSION_STATE_DIR
 from .plan import Plan
 from .resume import resolve_resume_from_checkpoint, writing_checkpoint
 from .trackers import check_trackers

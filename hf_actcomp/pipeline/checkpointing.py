@@ -13,12 +13,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from ..checkpoint import COMPRESSION_STATE_DIR
 from ..models import unwrap_peft
 from .loading import assign_parameters, read_tensors, weight_files
 from .mesh import PipelineMesh
-
-__all__ = ["COMPRESSION_STATE_DIR", "StageWeights", "free_other_parameters", "restore_parameters"]
 
 
 @dataclass
