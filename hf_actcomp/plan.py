@@ -226,6 +226,100 @@ class MemoryConfig:
             raise ValueError(f"MemoryConfig.num_samples={self.num_samples!r} must be a positive integer.")
 
 
+def _stateless_compression(value: Any, owner: str) -> Compression:
+    """A stateless `Compression` (or its dict) for a part that keeps its own error feedback."""
+    if isinstance(value, dict):
+        try:
+            value = Compression(**_known_fields(Compression, value, owner))
+        except ValueError as err:
+            raise ValueError(f"{owner}: {err}") from err
+    if not isinstance(value, Compression):
+        raise ValueError(f"{owner}={value!r} must be a Compression, a dict or None.")
+    if value.method == AQSGD or value.feedback != "none":
+        raise ValueError(
+            f"{owner}={value.describe()!r} is not valid: it needs a stateless codec (error feedback is always on "
+            f"there). Allowed methods: {', '.join(available_codecs())}; feedback: none."
+        )
+    return value
+
+
+DILOCO = "diloco"
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """`Plan(dp_compression={"method": "diloco", ...})`.
+
+    Args:
+        sync_every: inner steps (optimizer steps) between outer steps (H).
+        outer_lr: learning rate of the outer SGD step.
+        outer_momentum: momentum of the outer step (0: none).
+        nesterov: Nesterov momentum (needs outer_momentum > 0).
+        compression: codec of the pseudo-gradient, with error feedback: a stateless
+            `Compression` or its dict, e.g. `{"method": "quantize", "bits": 8}` or
+            `{"method": "hadamard", "bits": 4}`. None: fp32, exact.
+        stagger: offset stage s's syncs by s * sync_every / num_stages steps, so that the stages'
+            bursts do not share the link at the same moment.
+        min_replicas: replicas an outer step needs; with fewer than `data_parallel`, the others
+            go on when one is lost. None: all of them.
+    """
+
+    sync_every: int = 32
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    compression: Any = None
+    stagger: bool = False
+    min_replicas: int | None = None
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any], data_parallel: int) -> DiLoCoConfig:
+        """Checked settings from `dp_compression` without its `method` key; errors name the key."""
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"Plan.dp_compression (diloco) does not take {unknown}. "
+                             f"Its settings: {', '.join(sorted(known))}.")
+        config = cls(**params)
+        owner = "Plan.dp_compression (diloco)"
+        if not isinstance(config.sync_every, int) or isinstance(config.sync_every, bool) or config.sync_every < 1:
+            raise ValueError(f"{owner} sync_every={config.sync_every!r} must be an integer >= 1.")
+        if not isinstance(config.outer_lr, int | float) or not config.outer_lr > 0:
+            raise ValueError(f"{owner} outer_lr={config.outer_lr!r} must be a number > 0.")
+        if not isinstance(config.outer_momentum, int | float) or not 0 <= config.outer_momentum < 1:
+            raise ValueError(f"{owner} outer_momentum={config.outer_momentum!r} must be in [0, 1).")
+        if not isinstance(config.nesterov, bool):
+            raise ValueError(f"{owner} nesterov={config.nesterov!r} must be True or False.")
+        if config.nesterov and config.outer_momentum == 0:
+            raise ValueError(f"{owner} nesterov=True needs outer_momentum > 0; set nesterov=False for plain SGD.")
+        if not isinstance(config.stagger, bool):
+            raise ValueError(f"{owner} stagger={config.stagger!r} must be True or False.")
+        minimum = config.min_replicas
+        if minimum is not None and (not isinstance(minimum, int) or not 1 <= minimum <= data_parallel):
+            raise ValueError(f"{owner} min_replicas={minimum!r} must be an integer in 1..data_parallel "
+                             f"({data_parallel}), or None for all of them.")
+        compression = config.compression
+        if compression is not None:
+            compression = _stateless_compression(compression, f"{owner} compression")
+        return cls(**{**asdict(config), "compression": compression})
+
+    def to_params(self) -> dict[str, Any]:
+        """The JSON-ready dict `Plan.dp_compression` holds (with `method`)."""
+        params = asdict(self)
+        if self.compression is not None:
+            params["compression"] = asdict(self.compression)
+        return {"method": DILOCO, **params}
+
+    def offset(self, stage: int, num_stages: int) -> int:
+        """Inner steps stage `stage` waits before its first sync (0 without `stagger`)."""
+        return stage * self.sync_every // num_stages if self.stagger else 0
+
+    def label(self) -> str:
+        """Short label for cards and logs, e.g. `diloco-H32-quantize8`."""
+        codec = self.compression.describe() if self.compression is not None else "fp32"
+        return f"diloco-H{self.sync_every}-{codec}"
+
+
 @dataclass
 class Plan:
     """How a model is split into pipeline stages and what crosses each stage boundary.
@@ -246,7 +340,9 @@ class Plan:
             copies with `dp_compression`.
         dp_compression: the data-parallel hook: a name from `hf_actcomp.dp.available_hooks()` (a
             hook of your own once added with `hf_actcomp.dp.register_hook`), or a dict with
-            `method` and the hook's parameters, e.g. `{"method": "topk", "ratio": 0.01}`.
+            `method` and the hook's parameters, e.g. `{"method": "topk", "ratio": 0.01}`. Or
+            `{"method": "diloco", "sync_every": 32, ...}`: replicas that talk only every
+            `sync_every` optimizer steps, through torchft (`DiLoCoConfig`, docs/data_parallel.md).
         tie_compression: how the rows of an embedding tied to the LM head (GPT-2, OPT) travel
             between the first and the last stage, e.g. `Compression("quantize", bits=8)`. None
             (default): exact, in the weight's dtype. Otherwise rows go as deltas against a mirror
@@ -302,11 +398,18 @@ class Plan:
         if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
             raise ValueError(f"Plan.data_parallel={self.data_parallel!r} must be an integer >= 1.")
         method = self.dp_compression.get("method") if isinstance(self.dp_compression, dict) else self.dp_compression
+        if method == DILOCO:
+            if self.data_parallel < 2:
+                raise ValueError(f"Plan.dp_compression='diloco' needs data_parallel >= 2 replicas, got "
+                                 f"data_parallel={self.data_parallel}.")
+            params = {k: v for k, v in self.dp_compression.items() if k != "method"} \
+                if isinstance(self.dp_compression, dict) else {}
+            self.dp_compression = DiLoCoConfig.from_params(params, self.data_parallel).to_params()
         # The hook registry (hf_actcomp.dp.base imports nothing of the package), imported here: at the
         # top, importing it would first run hf_actcomp.dp, which imports this module via checkpoint.
         from .dp.base import available_hooks
 
-        _check_choice("Plan", "dp_compression", method, available_hooks())
+        _check_choice("Plan", "dp_compression", method, [*available_hooks(), DILOCO])
         if self.backward.method == "aqsgd":
             raise ValueError(
                 "Plan.backward.method='aqsgd' is not supported: AQ-SGD compresses activations; "
@@ -364,6 +467,12 @@ class Plan:
             params = dict(self.dp_compression)
             return params.pop("method"), params
         return self.dp_compression, {}
+
+    @property
+    def diloco(self) -> DiLoCoConfig | None:
+        """The DiLoCo settings when `dp_compression` is `diloco`, else None."""
+        name, params = self.dp_hook()
+        return DiLoCoConfig.from_params(params, self.data_parallel) if name == DILOCO else None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:

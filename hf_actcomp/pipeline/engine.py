@@ -27,6 +27,7 @@ from ..checkpoint import CompressionState, model_fingerprint
 from ..codecs import make_codec
 from ..dp import make_compressor
 from ..dp.base import ring_allreduce_bytes
+from ..dp.outer import LIGHTHOUSE_ENV, OuterSync, bind_host, lighthouse_addresses, start_lighthouses
 from ..memory import replica_sample_range
 from ..models import get_adapter, unwrap_peft
 from ..models.router import RouterLoss, router_spec
@@ -154,9 +155,11 @@ class Pipeline(nn.Module):
         self.tie = self._tied_embedding()
         self.grads = GradientSync(self.stage, self.mesh, self.group, self.dp_compressor, self.tie,
                                   self.traffic["collectives"])
+        self.outer = self._outer_sync() if plan.diloco is not None else None
         r = ranges[s]
         self.compression = CompressionState(
-            {**self.boundaries, "tie": self.tie, "data_parallel": self.dp_compressor}, rank=self.mesh.rank,
+            {**self.boundaries, "tie": self.tie, "data_parallel": self.dp_compressor or self.outer},
+            rank=self.mesh.rank,
             metadata={"plan": plan.to_dict(), "world_size": plan.world_size, "stage": s, "blocks": [r.start, r.stop],
                       "model": model_fingerprint(self.config)})
         self.weights = StageWeights(self.stage, self.mesh, self.group, self.tied_pairs, self.peft_model)
@@ -219,6 +222,38 @@ class Pipeline(nn.Module):
                                      self.plan.tie_compression)
         return None
 
+    # ------------------------------------------------------------------------- replicas joined by outer steps
+    def _outer_sync(self) -> OuterSync:
+        """DiLoCo's replica group of this stage (torchft). One launch holding every replica starts
+        the stages' lighthouses on rank 0 unless `TORCHFT_LIGHTHOUSE` names them."""
+        config, host = self.plan.diloco, bind_host()
+        addresses = lighthouse_addresses(self.mesh.num_stages)
+        self._lighthouses: list = []
+        if addresses is None:
+            if dist.get_world_size() != self.plan.world_size:
+                raise ValueError(
+                    f"A DiLoCo replica launched on its own (REPLICA_GROUP_ID) needs {LIGHTHOUSE_ENV}: the address of "
+                    f"one torchft lighthouse per stage ({self.mesh.num_stages}), comma-separated. Start them with "
+                    "`torchft_lighthouse --bind HOST:PORT --min_replicas N` (docs/data_parallel.md)."
+                )
+            box = [None]
+            if dist.get_rank() == 0:
+                self._lighthouses, box[0] = start_lighthouses(self.mesh.num_stages,
+                                                              config.min_replicas or self.num_replicas, host)
+            dist.broadcast_object_list(box, src=0)
+            addresses = box[0]
+        return OuterSync(config, self.grads.trainable(), stage=self.stage_index, num_stages=self.mesh.num_stages,
+                         replica=self.replica, num_replicas=self.num_replicas,
+                         lighthouse=addresses[self.stage_index], host=host, timeout=self.timeout)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Tell the pipeline which optimizer steps this stage (needed with DiLoCo, whose outer step
+        runs after every `sync_every` of its steps; a no-op for every other plan). Call once, after
+        building the optimizer and before the first `train_step`. Returns `optimizer`."""
+        if self.outer is not None:
+            self.outer.attach(optimizer)
+        return optimizer
+
     # ------------------------------------------------------------------------- steps
     @contextlib.contextmanager
     def no_sync(self):
@@ -242,6 +277,9 @@ class Pipeline(nn.Module):
             sync: average over replicas after this step (default: True outside `no_sync()`).
         """
         check_batch(batch, self.plan, training=True, sample_range=self.sample_range)
+        if self.outer is not None and not self.outer.attached:
+            raise RuntimeError("Plan.dp_compression='diloco' steps the replicas together after every sync_every steps "
+                               "of the inner optimizer: call pipe.attach_optimizer(optimizer) once before training.")
         self.stage.train()
         start = time.perf_counter()
         micro = split_batch(batch, self.plan.micro_batches, self.device)
@@ -486,14 +524,14 @@ class Pipeline(nn.Module):
                 entry["bytes_uncompressed"] += counter["bytes_uncompressed"]
         summary = summarize(channels, traffic)
         summary["stages"] = {part["stage"]: part["timing"] for part in parts}
-        if self.dp_compressor is not None:
-            summary["data_parallel"] = self.dp_compressor.stats()
+        if self.dp_compressor is not None or self.outer is not None:
+            summary["data_parallel"] = (self.dp_compressor or self.outer).stats()
         return summary
 
     def _local_counters(self) -> dict:
         traffic = {name: c.as_dict() for name, c in self.traffic.items()}
-        if self.dp_compressor is not None:
-            traffic["data_parallel"] = self.dp_compressor.stats()
+        if self.dp_compressor is not None or self.outer is not None:
+            traffic["data_parallel"] = (self.dp_compressor or self.outer).stats()
         waiting = self.transport.seconds_waiting + self.grads.seconds + self.seconds_collectives
         timing = {
             "steps": self.steps,
@@ -501,6 +539,8 @@ class Pipeline(nn.Module):
             "seconds_waiting": waiting,
             "seconds_computing": max(self.seconds_step - waiting, 0.0),
         }
+        if self.outer is not None:  # DiLoCo's syncs run inside optimizer.step(), outside seconds_step
+            timing["seconds_outer_sync"] = self.outer.seconds
         # Counted where sent: the sending ends of this rank's boundaries.
         channels = {b.name: b.stats for b in (self.forward_out, self.backward_out) if b is not None}
         return {"stage": self.stage_index, "channels": channels, "traffic": traffic, "timing": timing}
@@ -513,6 +553,8 @@ class Pipeline(nn.Module):
             counter.reset()
         self.grads.reset_stats()
         self.transport.reset_stats()
+        if self.outer is not None:
+            self.outer.reset_stats()
         self.seconds_step = self.seconds_collectives = 0.0
         self.steps = 0
 

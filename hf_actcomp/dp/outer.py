@@ -1,0 +1,311 @@
+"""The replicas' outer step (DiLoCo) through torchft: one replica group per pipeline stage.
+
+Stage s of every replica forms stage s's replica group, with its own torchft lighthouse: each
+stage syncs on its own (its quorum never waits for another stage, so `stagger` cannot deadlock the
+pipeline), and a restarted replica heals each stage from that stage's peer. Each process runs a
+torchft `Manager` of a group of one (this stage of this replica) and torchft's `DiLoCo` over the
+stage's trainable parameters, hooked to the user's inner optimizer. torchft restores the weights
+when a sync fails (a lost peer) and heals a replica that comes back.
+
+Every use of torchft's private API is in this module (pinned in pyproject.toml; tests/test_diloco.py
+fails loudly when a release changes it):
+- the fragment's `_average_grads`, replaced so that the pseudo-gradient goes through our codec
+  (`hf_actcomp.dp.diloco.PseudoGradientCodec`) and its bytes are counted;
+- `Manager._pg`, `DiLoCo._fragments`, `DiLoCo._local_step`, the fragment's `_grads`,
+  `original_parameters` and `_allreduce_work`;
+- `torchft.manager.ManagerServer`, swapped while the Manager is built: torchft binds it to every
+  interface (`[::]`); here it binds to the host the user names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from .base import ring_allreduce_bytes
+from .diloco import PseudoGradientCodec
+
+logger = logging.getLogger(__name__)
+
+HOST_ENV = "HF_ACTCOMP_TORCHFT_HOST"
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+REPLICA_ENV = "REPLICA_GROUP_ID"
+DEFAULT_HOST = "127.0.0.1"
+
+
+def require_torchft():
+    """torchft, or an error naming the extra that installs it."""
+    try:
+        import torchft
+    except ImportError as err:
+        raise ImportError(
+            "Plan.dp_compression='diloco' runs on torchft, which is not installed. Install the extra: "
+            "pip install 'hf-actcomp[torchft]'."
+        ) from err
+    return torchft
+
+
+def bind_host() -> str:
+    """The address this process's torchft servers bind to and advertise (`HF_ACTCOMP_TORCHFT_HOST`)."""
+    return os.environ.get(HOST_ENV, DEFAULT_HOST)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def start_lighthouses(count: int, min_replicas: int, host: str) -> tuple[list, list[str]]:
+    """`count` torchft lighthouses bound to `host` (one per stage): the servers and their addresses."""
+    from torchft._torchft import LighthouseServer
+
+    servers, addresses = [], []
+    for _ in range(count):
+        server = LighthouseServer(bind=f"{_url_host(host)}:0", min_replicas=min_replicas)
+        port = server.address().rsplit(":", 1)[1]  # it advertises the machine's hostname: use `host`
+        servers.append(server)
+        addresses.append(f"http://{_url_host(host)}:{port}")
+    return servers, addresses
+
+
+def lighthouse_addresses(num_stages: int) -> list[str] | None:
+    """One lighthouse address per stage from `TORCHFT_LIGHTHOUSE` (comma-separated), or None."""
+    value = os.environ.get(LIGHTHOUSE_ENV)
+    if not value:
+        return None
+    addresses = [a.strip() for a in value.split(",") if a.strip()]
+    if len(addresses) != num_stages:
+        raise ValueError(
+            f"{LIGHTHOUSE_ENV}={value!r} names {len(addresses)} lighthouse(s); DiLoCo over {num_stages} stages needs "
+            f"one per stage, comma-separated (each stage's replicas form their own group)."
+        )
+    return addresses
+
+
+@contextlib.contextmanager
+def _manager_server_bound_to(host: str) -> Iterator[None]:
+    """While a Manager is built, its server binds to `host` instead of every interface."""
+    import torchft.manager as manager_module
+
+    original = manager_module.ManagerServer
+
+    def bound(**kwargs):
+        port = kwargs["bind"].rsplit(":", 1)[1]
+        return original(**{**kwargs, "bind": f"{_url_host(host)}:{port}", "hostname": host})
+
+    manager_module.ManagerServer = bound
+    try:
+        yield
+    finally:
+        manager_module.ManagerServer = original
+
+
+class _Parameters(nn.Module):
+    """A fragment for torchft: exactly these named parameters (the stage's trainable ones)."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        super().__init__()
+        self._named = list(named)
+
+    def named_parameters(self, *args, **kwargs):  # noqa: ARG002 (torchft passes none)
+        return iter(self._named)
+
+
+class OuterSync:
+    """This stage's replica group: a torchft Manager, and DiLoCo once the inner optimizer is known.
+
+    Args:
+        config: the plan's `DiLoCoConfig`.
+        named_parameters: this stage's trainable parameters, in name order (the same on every replica).
+        stage, num_stages: this stage, for the stagger offset and the replica id.
+        replica, num_replicas: this replica and the plan's `data_parallel`.
+        lighthouse: the address of this stage's lighthouse.
+        host: where this process's torchft servers bind.
+        timeout: seconds a collective, a heal or a quorum may take.
+    """
+
+    def __init__(self, config, named_parameters: list[tuple[str, nn.Parameter]], *, stage: int, num_stages: int,
+                 replica: int, num_replicas: int, lighthouse: str, host: str, timeout: float) -> None:
+        require_torchft()
+        from torch.distributed import TCPStore
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        from .heal_transport import SafetensorsTransport
+
+        self.config = config
+        self.named = list(named_parameters)
+        self.offset = config.offset(stage, num_stages)
+        delta = datetime.timedelta(seconds=timeout)
+        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)  # this group's store (of one)
+        with _manager_server_bound_to(host):
+            self.manager = Manager(
+                pg=ProcessGroupGloo(timeout=delta), load_state_dict=None, state_dict=None,
+                min_replica_size=config.min_replicas or num_replicas, use_async_quorum=False, timeout=delta,
+                quorum_timeout=delta, connect_timeout=delta, rank=0, world_size=1, store_addr=host,
+                store_port=self._store.port, lighthouse_addr=lighthouse, replica_id=f"stage{stage}_replica{replica}",
+                hostname=host, checkpoint_transport=SafetensorsTransport(host, delta), init_sync=False,
+            )
+        self.outer_optimizer = torch.optim.SGD([p for _, p in self.named], lr=config.outer_lr,
+                                               momentum=config.outer_momentum, nesterov=config.nesterov)
+        numel = sum(p.numel() for _, p in self.named)
+        device = self.named[0][1].device if self.named else torch.device("cpu")
+        self.codec = PseudoGradientCodec(config.compression, numel, device) if config.compression else None
+        self.diloco = None
+        self._pending: dict[str, torch.Tensor] | None = None
+        self.bytes_sent = self.bytes_uncompressed = 0
+        self.syncs = self.failed_syncs = 0
+        self.seconds = 0.0
+
+    # ------------------------------------------------------------------ the inner optimizer
+    @property
+    def attached(self) -> bool:
+        return self.diloco is not None
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook DiLoCo to the inner optimizer: every `sync_every` of its steps, an outer step."""
+        from torchft.local_sgd import DiLoCo
+
+        if self.diloco is not None:
+            if self.diloco._local_optimizer is optimizer:
+                return
+            raise RuntimeError("This pipeline's DiLoCo is already attached to another optimizer; attach one "
+                               "inner optimizer per training run.")
+        self.diloco = DiLoCo(self.manager, [_Parameters(self.named)], optimizer, self.outer_optimizer,
+                             sync_every=self.config.sync_every, use_bucketization=True)
+        self.diloco.__enter__()
+        self.diloco._local_step = -self.offset  # `stagger`: this stage's first sync comes `offset` steps later
+        fragment = self.diloco._fragments[0]
+        fragment._average_grads = self._average_pseudo_gradients
+        fragment.perform_sync = self._timed(fragment.perform_sync)
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            self.load_state_dict(state)
+
+    def _timed(self, perform_sync):
+        def wrapped() -> bool:
+            start = time.perf_counter()
+            committed = perform_sync()
+            self.seconds += time.perf_counter() - start
+            self.syncs += 1
+            self.failed_syncs += not committed
+            if not committed:
+                logger.warning("DiLoCo sync %d was not committed (a replica was lost or errored): this stage's "
+                               "weights are back at the last sync.", self.syncs)
+            return committed
+
+        return wrapped
+
+    # ------------------------------------------------------------------ the pseudo-gradient
+    def _average_pseudo_gradients(self) -> None:
+        """Average the fragment's pseudo-gradients over the replicas that are in the quorum (our
+        codec, or exact fp32 all-reduce), counting the bytes. A lost peer is reported to the
+        Manager, which then refuses the commit and torchft restores the weights."""
+        from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
+        from torchft.work import _DummyWork
+
+        start = time.perf_counter()
+        fragment = self.diloco._fragments[0]
+        grads = [fragment._grads[name] for name, _ in self.named]
+        manager = self.manager
+        manager.wait_quorum()
+        if manager.errored() is None and grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            pg, participants = manager._pg, manager.num_participants()
+            try:
+                if self.codec is None:
+                    if not manager.is_participating():
+                        flat.zero_()
+                    opts = AllreduceOptions()
+                    opts.reduceOp = ReduceOp.SUM
+                    pg.allreduce([flat], opts).wait()
+                    sent = ring_allreduce_bytes(flat.numel() * flat.element_size(), pg.size())
+                else:
+                    payload = self.codec.encode(flat) if manager.is_participating() else self.codec.encode_nothing()
+                    gathered = [torch.empty_like(payload) for _ in range(pg.size())]
+                    pg.allgather([gathered], [payload], AllgatherOptions()).wait()
+                    flat = torch.stack([self.codec.decode(p) for p in gathered]).sum(0).to(flat.dtype)
+                    sent = payload.numel() * (pg.size() - 1)
+            except Exception as err:  # a lost peer: torchft discards this sync
+                logger.warning("DiLoCo pseudo-gradient exchange failed: %s", err)
+                manager.report_error(err)
+            else:
+                flat /= participants
+                self.bytes_sent += sent
+                self.bytes_uncompressed += ring_allreduce_bytes(flat.numel() * 4, pg.size())
+                for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                    g.copy_(part.view_as(g))
+        fragment._allreduce_work.append(_DummyWork(None))
+        self.seconds += time.perf_counter() - start
+
+    # ------------------------------------------------------------------ telemetry and state
+    def stats(self) -> dict:
+        return {
+            "hook": "diloco",
+            "syncs": self.syncs,
+            "failed_syncs": self.failed_syncs,
+            "bytes_sent": self.bytes_sent,
+            "bytes_uncompressed": self.bytes_uncompressed,
+            "compression_ratio": self.bytes_uncompressed / self.bytes_sent if self.bytes_sent else 1.0,
+            "seconds": self.seconds,
+        }
+
+    def reset_stats(self) -> None:
+        self.bytes_sent = self.bytes_uncompressed = self.syncs = self.failed_syncs = 0
+        self.seconds = 0.0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The outer state, safetensors-ready: anchor weights (`anchor.*`), outer momentum
+        (`momentum.*`), the pseudo-gradient's error feedback, and the step counters."""
+        if self.diloco is None:
+            if self._pending is not None:
+                return self._pending
+            raise RuntimeError("DiLoCo's state exists once the inner optimizer is attached "
+                               "(Pipeline.attach_optimizer).")
+        fragment = self.diloco._fragments[0]
+        out = {f"anchor.{name}": fragment.original_parameters[name] for name, _ in self.named}
+        for name, p in self.named:
+            buffer = self.outer_optimizer.state.get(p, {}).get("momentum_buffer")
+            if buffer is not None:
+                out[f"momentum.{name}"] = buffer
+        manager = self.manager.state_dict()
+        out["inner_step"] = torch.tensor(self.diloco._local_step)
+        out["outer_step"] = torch.tensor(manager["step"])
+        out["batches_committed"] = torch.tensor(manager["batches_committed"])
+        if self.codec is not None:
+            out.update({f"pseudo_gradient.{k}": v for k, v in self.codec.state_dict().items()})
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore `state_dict()`'s output (kept until the inner optimizer is attached)."""
+        missing = [f"anchor.{name}" for name, _ in self.named if f"anchor.{name}" not in state]
+        if missing or "inner_step" not in state:
+            raise ValueError(f"The saved DiLoCo state lacks {missing[:3] or ['inner_step']}: it was written by "
+                             "another plan or model split.")
+        if self.diloco is None:
+            self._pending = dict(state)
+            return
+        fragment = self.diloco._fragments[0]
+        with torch.no_grad():
+            for name, p in self.named:
+                fragment.original_parameters[name].copy_(state[f"anchor.{name}"])
+                if f"momentum.{name}" in state:
+                    self.outer_optimizer.state[p]["momentum_buffer"] = state[f"momentum.{name}"].clone().to(p.device)
+        self.diloco._local_step = int(state["inner_step"])
+        self.manager.load_state_dict({"step": int(state["outer_step"]),
+                                      "batches_committed": int(state["batches_committed"])})
+        if self.codec is not None:
+            self.codec.load_state_dict({k[len("pseudo_gradient."):]: v for k, v in state.items()
+                                        if k.startswith("pseudo_gradient.")})
+
+    def close(self) -> None:
+        """Stop the Manager's threads and servers (the process can then exit cleanly)."""
+        if self.diloco is not None:
+            self.diloco.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,159 @@
+"""DiLoCo outer steps (Plan(dp_compression="diloco")) on torchft: exactness, bytes, stagger, settings."""
+
+import json
+import sys
+
+import pytest
+import torch
+from distributed import run_workers
+from safetensors.torch import load_file
+
+from hf_actcomp import Compression, Plan
+from hf_actcomp.dp.diloco import ROW, PseudoGradientCodec
+from hf_actcomp.dp.heal_transport import decode_state, encode_state
+from hf_actcomp.dp.outer import require_torchft
+from hf_actcomp.plan import DiLoCoConfig
+
+
+def load(out, name: str, rank: int):
+    tensors = load_file(out / f"{name}-rank{rank}.safetensors")
+    info_path = out / f"{name}-rank{rank}.json"
+    return tensors, (json.loads(info_path.read_text()) if info_path.exists() else None)
+
+
+def ring(nbytes: int, world: int) -> int:
+    return 2 * (world - 1) * nbytes // world
+
+
+# ----------------------------------------------------------------------------- settings
+@pytest.mark.parametrize("params, message", [
+    ({"sync_every": 0}, "sync_every=0 must be an integer >= 1"),
+    ({"outer_lr": 0}, "outer_lr=0 must be a number > 0"),
+    ({"outer_momentum": 1.0}, "outer_momentum=1.0 must be in [0, 1)"),
+    ({"outer_momentum": 0.0}, "nesterov=True needs outer_momentum > 0"),
+    ({"min_replicas": 3}, "min_replicas=3 must be an integer in 1..data_parallel (2)"),
+    ({"compression": {"method": "aqsgd", "bits": 2}}, "needs a stateless codec"),
+    ({"compression": {"method": "quantize", "bits": 8, "feedback": "ef"}}, "needs a stateless codec"),
+    ({"sync_evry": 4}, "does not take ['sync_evry']. Its settings: compression, min_replicas"),
+])
+def test_bad_settings_fail_before_any_work(params, message):
+    with pytest.raises(ValueError, match="Plan.dp_compression \\(diloco\\)") as err:
+        Plan(num_stages=2, data_parallel=2, dp_compression={"method": "diloco", **params})
+    assert message in str(err.value)
+
+
+def test_diloco_needs_replicas_and_round_trips_through_json():
+    with pytest.raises(ValueError, match="needs data_parallel >= 2 replicas, got data_parallel=1"):
+        Plan(dp_compression="diloco")
+    plan = Plan(num_stages=2, data_parallel=2, dp_compression={
+        "method": "diloco", "sync_every": 8, "stagger": True, "compression": Compression("hadamard", bits=4)})
+    again = Plan.from_json_string(plan.to_json_string())
+    assert again.diloco == plan.diloco
+    assert plan.diloco.label() == "diloco-H8-hadamard4"
+    assert plan.diloco.offset(1, 2) == 4 and DiLoCoConfig(sync_every=8).offset(1, 2) == 0
+
+
+def test_missing_torchft_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)
+    with pytest.raises(ImportError, match=r"pip install 'hf-actcomp\[torchft\]'"):
+        require_torchft()
+
+
+# ----------------------------------------------------------------------------- the pseudo-gradient codec
+@pytest.mark.parametrize("method, bits, payload", [
+    ("quantize", 8, 3 * ROW + 3 * 4),  # 3 rows of 128 int8 and an fp32 scale per group of 128
+    ("hadamard", 4, None),
+])
+def test_pseudo_gradient_codec_sizes_and_error_feedback(method, bits, payload):
+    numel = 300  # not a multiple of ROW: padded to 3 rows
+    codec = PseudoGradientCodec(Compression(method, bits=bits), numel, torch.device("cpu"))
+    if payload is not None:
+        assert codec.payload_nbytes == payload
+    g = torch.Generator().manual_seed(0)
+    total_sent = torch.zeros(numel)
+    total_true = torch.zeros(numel)
+    for _ in range(20):
+        x = torch.randn(numel, generator=g)
+        sent = codec.encode(x)
+        assert sent.dtype == torch.uint8 and sent.numel() == codec.payload_nbytes
+        total_sent += codec.decode(sent)
+        total_true += x
+    # error feedback: what was sent over the run equals the sum of the inputs, minus one error buffer
+    torch.testing.assert_close(total_sent + codec.error, total_true, rtol=0, atol=1e-4)
+    assert codec.decode(codec.encode_nothing()).abs().max() == 0
+
+
+def test_heal_transport_keeps_nested_state_with_int_keys():
+    state = {"user": {"StreamingDiLoCoFragment_0": {
+        "outer_optimizer": {"state": {0: {"momentum_buffer": torch.randn(3)}},
+                            "param_groups": [{"lr": 0.7, "nesterov": True, "params": [0], "foreach": None}]},
+        "original_parameters": {"a.weight": torch.randn(2, 2)}}}, "torchft": {"step": 3, "batches_committed": 6}}
+    again = decode_state(encode_state(state))
+    fragment, original = again["user"]["StreamingDiLoCoFragment_0"], state["user"]["StreamingDiLoCoFragment_0"]
+    assert torch.equal(fragment["outer_optimizer"]["state"][0]["momentum_buffer"],
+                       original["outer_optimizer"]["state"][0]["momentum_buffer"])
+    assert fragment["outer_optimizer"]["param_groups"] == original["outer_optimizer"]["param_groups"]
+    assert torch.equal(fragment["original_parameters"]["a.weight"], original["original_parameters"]["a.weight"])
+    assert again["torchft"] == state["torchft"]
+    with pytest.raises(TypeError, match="Cannot send a object"):
+        encode_state({"x": object()})
+
+
+# ----------------------------------------------------------------------------- exactness over processes
+def test_h1_equals_per_step_gradient_averaging(tmp_path):
+    """H=1, outer_lr=1, no momentum, inner SGD: the same weights as averaging gradients every
+    step, and the same bytes."""
+    run_workers("diloco_worker.py", 2, ["equivalence", str(tmp_path), "1"], timeout=180)
+    for rank in range(2):
+        diloco, dp_diloco = load(tmp_path, "diloco", rank)
+        allreduce, dp_allreduce = load(tmp_path, "allreduce", rank)
+        for name in allreduce:
+            torch.testing.assert_close(diloco[name], allreduce[name], rtol=0, atol=1e-6, msg=name)
+        assert dp_diloco["bytes_sent"] == dp_allreduce["bytes_sent"] > 0
+
+
+@pytest.mark.parametrize("compression", ["none", "quantize8"])
+def test_synced_weights_are_the_mean_and_replicas_agree_bit_for_bit(tmp_path, compression):
+    """H=4, outer_lr=1, no momentum: after each sync every replica holds the mean of the replicas'
+    weights before it (exactly without a codec), and the replicas are equal bit for bit. The
+    bytes are exact: fp32 ring all-reduce, or each payload to the other replica."""
+    run_workers("diloco_worker.py", 2, ["mean", str(tmp_path), "1", compression], timeout=180)
+    (t0, info), (t1, _) = load(tmp_path, f"mean-{compression}", 0), load(tmp_path, f"mean-{compression}", 1)
+    for step in (3, 7):
+        names = [k.split(".", 1)[1] for k in t0 if k.startswith(f"after{step}.")]
+        assert names
+        for name in names:
+            after = t0[f"after{step}.{name}"]
+            assert torch.equal(after, t1[f"after{step}.{name}"]), name
+            before = [t[f"before{step}.{name}"] for t in (t0, t1)]
+            mean = (before[0] + before[1]) / 2
+            atol = 1e-6 if compression == "none" else 2e-3
+            torch.testing.assert_close(after, mean, rtol=0, atol=atol, msg=name)
+        assert not torch.equal(t0[f"before{step}.{names[0]}"], t1[f"before{step}.{names[0]}"])
+    syncs = 2
+    if compression == "none":
+        assert info["dp"]["bytes_sent"] == syncs * ring(4 * info["numel"], 2)
+    else:
+        assert info["dp"]["bytes_sent"] == syncs * info["payload_nbytes"]
+        assert info["dp"]["bytes_uncompressed"] == syncs * ring(4 * info["numel"], 2)
+
+
+def test_two_stages_two_replicas_stagger_with_aqsgd(tmp_path):
+    """2 stages x 2 replicas, AQ-SGD boundaries, int8 pseudo-gradients, stagger: stage 0 syncs
+    after steps 4 and 8, stage 1 after 6 and 10; each stage's replicas agree bit for bit right
+    after its own syncs and differ in between; the loss falls; AQ-SGD memory is per replica."""
+    run_workers("diloco_worker.py", 4, ["two_d", str(tmp_path)], timeout=240)
+    results = [load(tmp_path, "two_d", rank) for rank in range(4)]  # rank = replica * 2 + stage
+    for stage, synced, unsynced in ((0, (3, 7), (5, 9)), (1, (5, 9), (3, 7))):
+        (a, info), (b, _) = results[stage], results[2 + stage]
+        names = [k.split(".", 1)[1] for k in a if k.startswith("step0.")]
+        for step in synced:
+            assert all(torch.equal(a[f"step{step}.{n}"], b[f"step{step}.{n}"]) for n in names), (stage, step)
+        for step in unsynced:
+            assert not all(torch.equal(a[f"step{step}.{n}"], b[f"step{step}.{n}"]) for n in names), (stage, step)
+        assert info["dp"]["bytes_sent"] == 2 * info["payload_nbytes"]
+    for replica in range(2):
+        info = results[2 * replica][1]
+        assert info["sample_range"] == [16 * replica, 16 * (replica + 1)]
+        losses = info["losses"]
+        assert sum(losses[-4:]) < sum(losses[:4]), losses

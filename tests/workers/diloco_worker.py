@@ -1,0 +1,133 @@
+"""Worker of the DiLoCo tests: `python diloco_worker.py SCENARIO OUT_DIR [...]`.
+
+Each rank writes its weights (and what the test compares) to OUT_DIR as safetensors / JSON.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+import hf_actcomp
+from hf_actcomp import Compression, MemoryConfig, Plan
+from hf_actcomp.debug import debug_model
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pipeline_cases import padded_batch  # noqa: E402
+
+NUM_SAMPLES = 32
+
+
+def replica_batch(vocab: int, replica: int, step: int) -> dict:
+    """Each replica's own batch (the same label-token count on every replica)."""
+    batch = padded_batch(vocab, seed=1000 * replica + step % 4)
+    batch["sample_id"] = torch.arange(4) + 4 * (step % 4) + (NUM_SAMPLES // 2) * replica
+    return batch
+
+
+def weights(pipe) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in pipe.grads.trainable()}
+
+
+def train(pipe, optimizer, steps: int, vocab: int, on_step=None) -> list[float]:
+    losses = []
+    for step in range(steps):
+        out = pipe.train_step(replica_batch(vocab, pipe.replica, step))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(out.loss))
+        if on_step is not None:
+            on_step(step)
+    return losses
+
+
+def save(out_dir: str, name: str, tensors: dict, info: dict | None = None) -> None:
+    rank = dist.get_rank()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out_dir, f"{name}-rank{rank}.safetensors"))
+    if info is not None:
+        with open(os.path.join(out_dir, f"{name}-rank{rank}.json"), "w") as f:
+            json.dump(info, f)
+
+
+def equivalence(out_dir: str, num_stages: str) -> None:
+    """H=1, outer_lr=1, no momentum, inner SGD: DiLoCo, then per-step averaging (`allreduce`)."""
+    stages = int(num_stages)
+    for name, dp_compression in (
+        ("diloco", {"method": "diloco", "sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}),
+        ("allreduce", "allreduce"),
+    ):
+        model = debug_model("llama", seed=0)
+        plan = Plan(num_stages=stages, data_parallel=2, micro_batches=stages, dp_compression=dp_compression)
+        pipe = hf_actcomp.prepare(model, plan, timeout=60)
+        optimizer = pipe.attach_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+        train(pipe, optimizer, 3, model.config.vocab_size)
+        save(out_dir, name, weights(pipe), pipe.stats()["categories"].get("data_parallel"))
+
+
+def mean(out_dir: str, num_stages: str, compression: str) -> None:
+    """H=4, outer_lr=1, no momentum, inner AdamW: the weights before each sync (snapshotted by an
+    optimizer hook that runs before DiLoCo's) and after it."""
+    stages = int(num_stages)
+    codec = {"none": None, "quantize8": {"method": "quantize", "bits": 8},
+             "hadamard4": {"method": "hadamard", "bits": 4}}[compression]
+    model = debug_model("gpt2", seed=0)
+    plan = Plan(num_stages=stages, data_parallel=2, micro_batches=stages,
+                dp_compression={"method": "diloco", "sync_every": 4, "outer_lr": 1.0, "outer_momentum": 0.0,
+                                "nesterov": False, "compression": codec})
+    pipe = hf_actcomp.prepare(model, plan, timeout=60)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    snapshots = {}
+    optimizer.register_step_post_hook(lambda *_: snapshots.update(before=weights(pipe)))
+    pipe.attach_optimizer(optimizer)
+    tensors = {}
+
+    def on_step(step: int) -> None:
+        if step % 4 == 3:
+            tensors.update({f"before{step}.{n}": t for n, t in snapshots["before"].items()})
+            tensors.update({f"after{step}.{n}": t for n, t in weights(pipe).items()})
+
+    losses = train(pipe, optimizer, 8, model.config.vocab_size, on_step)
+    info = {"dp": pipe.stats()["categories"]["data_parallel"], "losses": losses,
+            "numel": sum(p.numel() for _, p in pipe.grads.trainable())}
+    if pipe.outer.codec is not None:
+        info["payload_nbytes"] = pipe.outer.codec.payload_nbytes
+    save(out_dir, f"mean-{compression}", tensors, info)
+
+
+def two_d(out_dir: str) -> None:
+    """2 stages x 2 replicas, AQ-SGD boundaries, DiLoCo with int8 pseudo-gradients and stagger:
+    each stage syncs at its own steps; the replicas agree after each of them."""
+    model = debug_model("gpt2", seed=0)
+    plan = Plan(num_stages=2, data_parallel=2, micro_batches=2,
+                forward=Compression("aqsgd", bits=4), backward=Compression("quantize", bits=8),
+                memory=MemoryConfig(num_samples=NUM_SAMPLES),
+                dp_compression={"method": "diloco", "sync_every": 4, "stagger": True,
+                                "compression": {"method": "quantize", "bits": 8}})
+    pipe = hf_actcomp.prepare(model, plan, timeout=60)
+    optimizer = pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-2))
+    tensors = {}
+
+    def on_step(step: int) -> None:
+        tensors.update({f"step{step}.{n}": t for n, t in weights(pipe).items()})
+
+    losses = train(pipe, optimizer, 10, model.config.vocab_size, on_step)
+    stats = pipe.stats()["categories"]
+    save(out_dir, "two_d", tensors, {"dp": stats["data_parallel"], "losses": losses, "stage": pipe.stage_index,
+                                     "replica": pipe.replica, "payload_nbytes": pipe.outer.codec.payload_nbytes,
+                                     "sample_range": [pipe.sample_range.start, pipe.sample_range.stop]})
+
+
+def main() -> None:
+    scenario, out_dir, *args = sys.argv[1:]
+    dist.init_process_group("gloo")
+    try:
+        globals()[scenario](out_dir, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
