@@ -14,13 +14,17 @@ fails loudly when a release changes it):
 - `Manager._pg`, `DiLoCo._fragments`, `DiLoCo._local_step`, the fragment's `_grads`,
   `original_parameters` and `_allreduce_work`;
 - `torchft.manager.ManagerServer`, swapped while the Manager is built: torchft binds it to every
-  interface (`[::]`); here it binds to the host the user names.
+  interface (`[::]`); here it binds to the host the user names;
+- `ProcessGroupGloo.get_reconfigure_handle`, whose rendezvous store torchft advertises under the
+  machine's hostname: here under the host the user names (a hostname may not resolve inside a
+  network namespace or a container).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import os
 import time
@@ -106,6 +110,19 @@ def _manager_server_bound_to(host: str) -> Iterator[None]:
         manager_module.ManagerServer = original
 
 
+def _process_group(host: str, timeout: datetime.timedelta):
+    """torchft's reconfigurable gloo group, advertising its rendezvous store under `host`."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class BoundProcessGroupGloo(ProcessGroupGloo):
+        def get_reconfigure_handle(self) -> str:
+            handle = json.loads(super().get_reconfigure_handle())
+            handle["store"] = f"{_url_host(host)}:{handle['store'].rsplit(':', 1)[1]}"
+            return json.dumps(handle)
+
+    return BoundProcessGroupGloo(timeout=timeout)
+
+
 class _Parameters(nn.Module):
     """A fragment for torchft: exactly these named parameters (the stage's trainable ones)."""
 
@@ -135,7 +152,6 @@ class OuterSync:
         require_torchft()
         from torch.distributed import TCPStore
         from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
 
         from .heal_transport import SafetensorsTransport
 
@@ -146,7 +162,7 @@ class OuterSync:
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)  # this group's store (of one)
         with _manager_server_bound_to(host):
             self.manager = Manager(
-                pg=ProcessGroupGloo(timeout=delta), load_state_dict=None, state_dict=None,
+                pg=_process_group(host, delta), load_state_dict=None, state_dict=None,
                 min_replica_size=config.min_replicas or num_replicas, use_async_quorum=False, timeout=delta,
                 quorum_timeout=delta, connect_timeout=delta, rank=0, world_size=1, store_addr=host,
                 store_port=self._store.port, lighthouse_addr=lighthouse, replica_id=f"stage{stage}_replica{replica}",
