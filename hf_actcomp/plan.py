@@ -244,6 +244,12 @@ def _stateless_compression(value: Any, owner: str) -> Compression:
 
 
 DILOCO = "diloco"
+REPLICA_ENV = "REPLICA_GROUP_ID"  # torchft's name: this launch's replica, when each replica is launched alone
+
+
+def launched_per_replica(plan: Plan) -> bool:
+    """A DiLoCo plan whose replicas are launched one at a time (`REPLICA_GROUP_ID` set)."""
+    return plan.diloco is not None and REPLICA_ENV in os.environ
 
 
 @dataclass(frozen=True)

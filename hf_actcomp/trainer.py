@@ -32,7 +32,7 @@ from . import hub
 from .batching import count_label_tokens
 from .checkpoint import COMPRESSION_STATE_DIR
 from .data import SAMPLE_ID, add_sample_ids
-from .plan import Plan
+from .plan import Plan, launched_per_replica
 from .resume import resolve_resume_from_checkpoint, writing_checkpoint
 from .trackers import check_trackers
 from .trainer_backends import backend_for
@@ -109,7 +109,7 @@ class ActCompTrainer(Trainer):
         autocast_dtype = torch.bfloat16 if args.bf16 else None
         # Before Trainer.__init__: with several processes a checkpoint given by name is loaded
         # stage by stage, and Trainer must not move the model.
-        self._backend = backend_for(args.world_size)(self, super(), plan, timeout=timeout,
+        self._backend = backend_for(args.world_size, plan)(self, super(), plan, timeout=timeout,
                                                      autocast_dtype=autocast_dtype)
         model = self._backend.load(model, torch_dtype)
         super().__init__(model=model, args=args, **kwargs)
@@ -186,7 +186,9 @@ class ActCompTrainer(Trainer):
         return self._backend.runner
 
     def create_optimizer(self, model=None):
-        return super().create_optimizer(self._backend.optimized_module(model))
+        optimizer = super().create_optimizer(self._backend.optimized_module(model))
+        self._backend.attach_optimizer(optimizer)  # DiLoCo's outer step hooks to the inner optimizer
+        return optimizer
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
         return self._backend.autocast(cache_enabled)
@@ -368,7 +370,11 @@ def _check_arguments(args: TrainingArguments, plan: Plan, kwargs: dict[str, Any]
         raise RuntimeError("TrainingArguments(push_to_hub=True) but HF_HUB_OFFLINE is set: unset it to upload, or "
                            "train with push_to_hub=False and push the saved folder later (hf_actcomp.hub.push_to_hub).")
     world = args.world_size
-    if world != 1 and world != plan.world_size:
+    if launched_per_replica(plan):  # DiLoCo, one launch per replica (REPLICA_GROUP_ID)
+        if world != plan.num_stages:
+            raise ValueError(f"A DiLoCo replica launched on its own (REPLICA_GROUP_ID) needs Plan.num_stages="
+                             f"{plan.num_stages} processes, but this job has {world}.")
+    elif world != 1 and world != plan.world_size:
         raise ValueError(
             f"Plan.num_stages={plan.num_stages} x data_parallel={plan.data_parallel} needs {plan.world_size} "
             f"processes (or 1, to run the stages in-process), but this job has {world}. Launch with "

@@ -22,7 +22,8 @@ from . import hub
 from .data import SAMPLE_ID
 from .models import unwrap_peft
 from .pipeline import prepare
-from .plan import Plan
+from .plan import Plan, launched_per_replica
+from .resume import init_distributed
 from .simulate import simulate
 
 OPTIMIZER_FILE = "optimizer-rank{rank}.pt"
@@ -58,6 +59,9 @@ class Backend:
     def load_compression_state(self, state_dir: str) -> None:
         if os.path.isdir(state_dir):
             self.runner.load_compression_state(state_dir)
+
+    def attach_optimizer(self, optimizer) -> None:
+        """Hook what runs on the optimizer's steps (DiLoCo's outer step); nothing in one process."""
 
 
 class OneProcess(Backend):
@@ -180,6 +184,7 @@ class Pipelined(Backend):
 
     def start(self) -> None:
         if self.runner is None:
+            init_distributed(self.timeout)  # a DiLoCo replica of one process: Accelerate leaves it down
             self.runner = prepare(self.trainer.model, self.plan, timeout=self.timeout, autocast_dtype=self.autocast_dtype)
 
     def move_model_to_device(self, model, device) -> None:
@@ -211,6 +216,9 @@ class Pipelined(Backend):
     # -- training
     def optimized_module(self, model):
         return self.pipe.stage
+
+    def attach_optimizer(self, optimizer) -> None:
+        self.pipe.attach_optimizer(optimizer)  # a no-op unless the plan is DiLoCo
 
     def autocast(self, cache_enabled: bool | None):
         return self.base.autocast_smart_context_manager(cache_enabled)
@@ -280,7 +288,8 @@ class Pipelined(Backend):
         self.pipe.load_stage_weights(self.trainer.state.best_model_checkpoint)
 
 
-def backend_for(world_size: int) -> type[Backend]:
-    """One process: `OneProcess`; otherwise (`plan.world_size` processes, checked before) `Pipelined`."""
-    return OneProcess if world_size == 1 else Pipelined
+def backend_for(world_size: int, plan: Plan) -> type[Backend]:
+    """One process: `OneProcess`; otherwise (`plan.world_size` processes, checked before), or a
+    DiLoCo replica launched on its own, `Pipelined`."""
+    return OneProcess if world_size == 1 and not launched_per_replica(plan) else Pipelined
 

@@ -225,6 +225,8 @@ def main(argv=None) -> dict:
     eval_loader = DataLoader(evaluation.with_format("torch"), batch_size=args.batch_size,
                              collate_fn=default_data_collator, drop_last=distributed)
     optimizer = torch.optim.AdamW(params, lr=args.lr)
+    if distributed:
+        runner.attach_optimizer(optimizer)  # DiLoCo plans: the outer step runs every sync_every of its steps
     if not distributed:
         runner, optimizer, train_loader, eval_loader = accelerator.prepare(runner, optimizer, train_loader,
                                                                            eval_loader)

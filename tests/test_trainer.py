@@ -4,6 +4,7 @@ checkpoint, AQ-SGD with dynamic padding, and what is refused before training."""
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -415,6 +416,40 @@ def test_distributed_resume_continues_exactly(tmp_path):
         assert part[rank]["losses"] == full[rank]["losses"]  # the first steps come from the checkpoint's history
         for name, value in _stage_weights(resumed, 2, 2)[rank].items():
             torch.testing.assert_close(value, _stage_weights(straight, 2, 2)[rank][name], rtol=0, atol=0, msg=name)
+
+
+def test_distributed_diloco_resumes_exactly(tmp_path):
+    """DiLoCo (1 stage x 2 replicas, H=3, int8 pseudo-gradients, Nesterov outer step) under
+    ActCompTrainer with nothing else changed: 8 steps straight == 4 steps, checkpoint, new
+    processes, resume, the rest. The checkpoint falls between syncs, when the replicas differ:
+    each one's weights, anchor, outer momentum and error feedback come back from its own state."""
+    plan = Plan(num_stages=1, data_parallel=2, dp_compression={
+        "method": "diloco", "sync_every": 3, "compression": {"method": "quantize", "bits": 8}})
+    args = {"max_steps": 8, "save_strategy": "steps", "save_steps": 4}
+    straight, full = _run(tmp_path, "straight", 2, {"plan": plan.to_dict(), "args": args})
+    checkpoint = os.path.join(straight, "run", "checkpoint-4")
+    saved = {key.split(".")[1] for key in _saved_state_keys(checkpoint, rank=1) if key.startswith("data_parallel.")}
+    assert {"anchor", "weights", "momentum", "pseudo_gradient", "inner_step", "outer_step"} <= saved
+    resumed, part = _run(tmp_path, "resumed", 2, {"plan": plan.to_dict(), "args": args, "resume": checkpoint})
+    final = [_stage_weights(straight, 2, 1)[rank] for rank in range(2)]
+    assert any(not torch.equal(final[0][n], final[1][n]) for n in final[0])  # step 8 is not a sync step
+    for rank in range(2):
+        assert part[rank]["losses"] == full[rank]["losses"]
+        for name, value in _stage_weights(resumed, 2, 1)[rank].items():
+            torch.testing.assert_close(value, final[rank][name], rtol=0, atol=0, msg=name)
+
+
+def _saved_state_keys(checkpoint: str, rank: int) -> set[str]:
+    """Names of the compression-state tensors rank `rank` saved in `checkpoint`."""
+    from safetensors import safe_open
+
+    from hf_actcomp.checkpoint import COMPRESSION_STATE_DIR
+
+    keys: set[str] = set()
+    for path in glob.glob(os.path.join(checkpoint, COMPRESSION_STATE_DIR, f"rank{rank}*.safetensors")):
+        with safe_open(path, "pt") as f:
+            keys |= set(f.keys())
+    return keys
 
 
 def test_distributed_aqsgd_keeps_each_replicas_shard_only(four_processes):

@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 HOST_ENV = "HF_ACTCOMP_TORCHFT_HOST"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-REPLICA_ENV = "REPLICA_GROUP_ID"
 DEFAULT_HOST = "127.0.0.1"
 
 
@@ -278,7 +277,9 @@ class OuterSync:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The outer state, safetensors-ready: anchor weights (`anchor.*`), outer momentum
-        (`momentum.*`), the pseudo-gradient's error feedback, and the step counters."""
+        (`momentum.*`), this replica's own weights (`weights.*`: between syncs they differ from
+        the other replicas', which a checkpoint of one replica's weights would lose), the
+        pseudo-gradient's error feedback, and the step counters."""
         if self.diloco is None:
             if self._pending is not None:
                 return self._pending
@@ -286,6 +287,7 @@ class OuterSync:
                                "(Pipeline.attach_optimizer).")
         fragment = self.diloco._fragments[0]
         out = {f"anchor.{name}": fragment.original_parameters[name] for name, _ in self.named}
+        out.update({f"weights.{name}": p.detach() for name, p in self.named})
         for name, p in self.named:
             buffer = self.outer_optimizer.state.get(p, {}).get("momentum_buffer")
             if buffer is not None:
@@ -300,7 +302,8 @@ class OuterSync:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore `state_dict()`'s output (kept until the inner optimizer is attached)."""
-        missing = [f"anchor.{name}" for name, _ in self.named if f"anchor.{name}" not in state]
+        missing = [f"{kind}.{name}" for name, _ in self.named for kind in ("anchor", "weights")
+                   if f"{kind}.{name}" not in state]
         if missing or "inner_step" not in state:
             raise ValueError(f"The saved DiLoCo state lacks {missing[:3] or ['inner_step']}: it was written by "
                              "another plan or model split.")
@@ -311,6 +314,7 @@ class OuterSync:
         with torch.no_grad():
             for name, p in self.named:
                 fragment.original_parameters[name].copy_(state[f"anchor.{name}"])
+                p.copy_(state[f"weights.{name}"])
                 if f"momentum.{name}" in state:
                     self.outer_optimizer.state[p]["momentum_buffer"] = state[f"momentum.{name}"].clone().to(p.device)
         self.diloco._local_step = int(state["inner_step"])

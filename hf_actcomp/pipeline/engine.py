@@ -159,7 +159,7 @@ class Pipeline(nn.Module):
         r = ranges[s]
         self.compression = CompressionState(
             {**self.boundaries, "tie": self.tie, "data_parallel": self.dp_compressor or self.outer},
-            rank=self.mesh.rank,
+            rank=self.replica * self.mesh.num_stages + s,  # the rank in a launch of every replica
             metadata={"plan": plan.to_dict(), "world_size": plan.world_size, "stage": s, "blocks": [r.start, r.stop],
                       "model": model_fingerprint(self.config)})
         self.weights = StageWeights(self.stage, self.mesh, self.group, self.tied_pairs, self.peft_model)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..plan import Plan
+from ..plan import REPLICA_ENV, Plan
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def launched_replica(plan: Plan) -> int | None:
     (`REPLICA_GROUP_ID`); None when one launch holds every replica."""
     if plan.diloco is None or dist.get_world_size() != plan.num_stages:
         return None
-    value = os.environ.get("REPLICA_GROUP_ID")
+    value = os.environ.get(REPLICA_ENV)
     if value is None or not value.isdigit() or int(value) >= plan.data_parallel:
         raise ValueError(
             f"This job has {plan.num_stages} processes for a DiLoCo plan of {plan.data_parallel} replicas: one launch "

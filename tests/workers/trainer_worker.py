@@ -47,6 +47,8 @@ def main(spec: dict, out_dir: str) -> None:
 def _memory_report(pipe) -> dict | None:
     """AQ-SGD: the sample ids this rank keeps memory for, its rows, and how many were visited."""
     boundary = pipe.forward_out or pipe.forward_in
+    if boundary is None:  # one stage: no boundary
+        return None
     end = boundary.receiver if boundary.receiver is not None else boundary.sender.mirror
     if not hasattr(end, "memory"):
         return None
