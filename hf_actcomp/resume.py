@@ -37,11 +37,12 @@ CHECKPOINT_PREFIX = "checkpoint"
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 # Test hook: `step:rank:moment` makes that rank pause at that moment of that step and write its pid
 # to HF_ACTCOMP_FAULT_PID_FILE, so that a test can kill it there. Moments: `writing` (in the middle
-# of writing the step's checkpoint, after its first files) and `after` (once that checkpoint is
-# complete). Only before the first restart: the restarted group runs through.
+# of writing the step's checkpoint, after its first files), `after` (once that checkpoint is
+# complete) and `sync` (DiLoCo: in outer sync number `step`, after the quorum, before the
+# pseudo-gradient exchange). Only before the first restart: the restarted group runs through.
 FAULT_ENV = "HF_ACTCOMP_FAULT_AT"
 FAULT_PID_FILE_ENV = "HF_ACTCOMP_FAULT_PID_FILE"
-FAULT_MOMENTS = ("writing", "after")
+FAULT_MOMENTS = ("writing", "after", "sync")
 
 
 def restart_count() -> int:

@@ -157,3 +157,85 @@ def test_two_stages_two_replicas_stagger_with_aqsgd(tmp_path):
         assert info["sample_range"] == [16 * replica, 16 * (replica + 1)]
         losses = info["losses"]
         assert sum(losses[-4:]) < sum(losses[:4]), losses
+
+
+# ----------------------------------------------------------------------------- a lost replica
+def _launch_replica(tmp_path, replica: int, lighthouse: str, args: list[str], extra_env: dict | None = None):
+    """One replica launched on its own: a 1-process job with its own port (REPLICA_GROUP_ID)."""
+    import os
+    import subprocess
+
+    from distributed import WORKERS, free_port
+
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", REPLICA_GROUP_ID=str(replica),
+               TORCHFT_LIGHTHOUSE=lighthouse, **(extra_env or {}))
+    log = open(tmp_path / f"replica{replica}-launch{len(list(tmp_path.glob(f'replica{replica}-*.log')))}.log",  # noqa: SIM115
+               "w")
+    return subprocess.Popen([sys.executable, os.path.join(WORKERS, "diloco_worker.py"), "fault", str(tmp_path), *args],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_a_lost_replica_does_not_stop_the_other_and_heals_when_it_comes_back(tmp_path):
+    """Two replicas, each its own launch, min_replicas=1. Replica 1 is killed (SIGKILL, by pid) in
+    the middle of its second sync: the survivor's sync is discarded and its weights are restored
+    exactly to the last sync's; it goes on alone. Replica 1 is started again from scratch: it heals
+    from its peer at its first sync, after which both hold the same weights bit for bit."""
+    import os
+    import signal
+    import time
+
+    from hf_actcomp.dp.outer import start_lighthouses
+
+    servers, (lighthouse,) = start_lighthouses(1, min_replicas=1, host="127.0.0.1")
+    stop_file, pid_file = tmp_path / "stop", tmp_path / "pid"
+    procs = []
+    deadline = time.monotonic() + 150
+    try:
+        survivor = _launch_replica(tmp_path, 0, lighthouse, [str(stop_file), "6", "400"])
+        doomed = _launch_replica(tmp_path, 1, lighthouse, [str(stop_file), "6", "400"],
+                                 {"HF_ACTCOMP_FAULT_AT": "2:1:sync", "HF_ACTCOMP_FAULT_PID_FILE": str(pid_file)})
+        procs += [survivor, doomed]
+        while not pid_file.exists() and time.monotonic() < deadline and doomed.poll() is None:
+            time.sleep(0.1)
+        assert pid_file.exists(), (tmp_path / "replica1-launch0.log").read_text()[-3000:]
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)  # the process this test started
+        doomed.wait(30)
+        restarted = _launch_replica(tmp_path, 1, lighthouse, [str(stop_file), "8", "8"])  # 4 syncs
+        procs.append(restarted)
+        while restarted.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stop_file.touch()
+        while survivor.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert restarted.returncode == 0 and survivor.returncode == 0, [
+            p.read_text()[-3000:] for p in sorted(tmp_path.glob("*.log"))]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for server in servers:
+            server.shutdown()
+
+    def records(replica: int, pid: int) -> list[dict]:
+        return json.loads((tmp_path / f"replica{replica}-{pid}.json").read_text())["records"]
+
+    def weights_of(record: dict) -> dict:
+        return load_file(tmp_path / f"{record['name']}.safetensors")
+
+    kept = records(0, survivor.pid)
+    failed = [i for i, r in enumerate(kept) if not r["committed"]]
+    assert failed and failed[0] >= 1, kept  # the sync replica 1 died in
+    before, after = weights_of(kept[failed[0] - 1]), weights_of(kept[failed[0]])
+    assert all(torch.equal(before[n], after[n]) for n in before)  # restored exactly to the last sync
+    healed = [r for r in records(1, restarted.pid) if r["committed"]]
+    alone = [r for r in kept[failed[0] + 1:] if r["committed"] and r["outer_step"] not in {h["outer_step"] for h in healed}]
+    assert alone, kept  # it went on alone (here: once its healed peer had finished)
+    assert healed and healed[0]["outer_step"] > 1, healed  # it joined at the survivor's step, not at 1
+    together = {r["outer_step"]: r for r in kept if r["committed"]}
+    pairs = [(together[r["outer_step"]], r) for r in healed if r["outer_step"] in together]
+    assert pairs, (kept, healed)
+    for mine, theirs in pairs:
+        a, b = weights_of(mine), weights_of(theirs)
+        assert all(torch.equal(a[n], b[n]) for n in a), mine["outer_step"]

@@ -73,14 +73,18 @@ class SafetensorsTransport(CheckpointTransport):
     def __init__(self, host: str, timeout: timedelta) -> None:
         self.host = host
         self.timeout = timeout
-        self._lock = threading.Lock()
+        # A peer may ask as soon as the quorum names this replica its source, before this side
+        # has staged the state: a request waits (up to `timeout`) until some state is served.
+        self._served = threading.Condition()
         self._message: bytes | None = None
         self._step: int | None = None
         transport = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                with transport._lock:
+                with transport._served:
+                    transport._served.wait_for(lambda: transport._message is not None,
+                                               timeout=transport.timeout.total_seconds())
                     message, step = transport._message, transport._step
                 if message is None or self.path != f"/checkpoint/{step}":
                     self.send_error(400, f"serving step {step}, asked for {self.path}")
@@ -104,11 +108,12 @@ class SafetensorsTransport(CheckpointTransport):
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
         message = encode_state(state_dict)
-        with self._lock:
+        with self._served:
             self._message, self._step = message, step
+            self._served.notify_all()
 
     def disallow_checkpoint(self) -> None:
-        with self._lock:
+        with self._served:
             self._message = self._step = None
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..resume import maybe_pause_for_fault_test
 from .base import ring_allreduce_bytes
 from .diloco import PseudoGradientCodec
 
@@ -155,6 +156,7 @@ class OuterSync:
         from .heal_transport import SafetensorsTransport
 
         self.config = config
+        self.rank = replica * num_stages + stage  # in a launch of every replica
         self.named = list(named_parameters)
         self.offset = config.offset(stage, num_stages)
         delta = datetime.timedelta(seconds=timeout)
@@ -230,6 +232,7 @@ class OuterSync:
         grads = [fragment._grads[name] for name, _ in self.named]
         manager = self.manager
         manager.wait_quorum()
+        maybe_pause_for_fault_test(self.syncs + 1, self.rank, "sync")  # a test may kill this replica here
         if manager.errored() is None and grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             pg, participants = manager._pg, manager.num_participants()

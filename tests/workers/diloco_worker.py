@@ -120,6 +120,41 @@ def two_d(out_dir: str) -> None:
                                      "sample_range": [pipe.sample_range.start, pipe.sample_range.stop]})
 
 
+def fault(out_dir: str, stop_file: str, min_steps: str, max_steps: str) -> None:
+    """One replica of 2 launched on its own (REPLICA_GROUP_ID), 1 stage, H=2, min_replicas=1:
+    after each sync, its weights and whether the sync was committed. Trains at least `min_steps`
+    steps, then on until `stop_file` exists (while a killed peer restarts and heals), at most
+    `max_steps`."""
+    import time
+
+    replica = int(os.environ["REPLICA_GROUP_ID"])
+    model = debug_model("gpt2", seed=0)
+    plan = Plan(num_stages=1, data_parallel=2, dp_compression={"method": "diloco", "sync_every": 2, "min_replicas": 1})
+    pipe = hf_actcomp.prepare(model, plan, timeout=30)
+    optimizer = pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-2))
+    # Both replicas' Managers are up (heartbeating) before either trains: a replica that reached
+    # its first sync before its peer existed would form a quorum alone.
+    open(os.path.join(out_dir, f"ready{replica}"), "w").close()
+    while not os.path.exists(os.path.join(out_dir, f"ready{1 - replica}")):
+        time.sleep(0.05)
+    records, step = [], 0
+    while step < int(min_steps) or (not os.path.exists(stop_file) and step < int(max_steps)):
+        pipe.train_step(replica_batch(model.config.vocab_size, replica, step))
+        syncs, failed = pipe.outer.syncs, pipe.outer.failed_syncs
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if pipe.outer.syncs > syncs:
+            name = f"replica{replica}-{os.getpid()}-sync{pipe.outer.syncs}"
+            save_file({k: v.contiguous() for k, v in weights(pipe).items()}, os.path.join(out_dir, f"{name}.safetensors"))
+            records.append({"name": name, "committed": pipe.outer.failed_syncs == failed,
+                            "outer_step": pipe.outer.manager.current_step()})
+        time.sleep(0.05)
+    with open(os.path.join(out_dir, f"replica{replica}-{os.getpid()}.json"), "w") as f:
+        json.dump({"records": records, "steps": step}, f)
+    pipe.outer.close()
+
+
 def main() -> None:
     scenario, out_dir, *args = sys.argv[1:]
     dist.init_process_group("gloo")
