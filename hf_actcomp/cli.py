@@ -263,11 +263,53 @@ def estimate(config, plan: Plan, batch_size: int, seq_len: int, link_bits_per_se
     return out
 
 
+def stage_parameter_counts(config, plan: Plan) -> list[int]:
+    """Trainable parameters each stage owns (a tied embedding counted on the last stage only),
+    from the model built on the meta device: no weights are read or allocated."""
+    from transformers import AutoModelForCausalLM
+
+    from .models import get_adapter
+    from .models.split import stage_ranges
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    adapter = get_adapter(model)
+    ranges = stage_ranges(adapter, plan)
+    tied = {name for pair in adapter.tied_weights() for name in pair}
+    counts = []
+    for s, r in enumerate(ranges):
+        stage = adapter.build_stage(r.start, r.stop, first=s == 0, last=s == len(ranges) - 1)
+        counts.append(sum(p.numel() for name, p in stage.named_parameters()
+                          if p.requires_grad and not (s == 0 and len(ranges) > 1 and name in tied)))
+    return counts
+
+
+def diloco_estimate(config, plan: Plan, link_bits_per_second: float) -> list[dict]:
+    """Per stage: the pseudo-gradient bytes each replica sends per sync and per optimizer step, the
+    link time of a sync, and the bytes DDP's per-step all-reduce would send instead."""
+    from .dp.base import ring_allreduce_bytes
+    from .dp.diloco import payload_nbytes
+
+    diloco, replicas = plan.diloco, plan.data_parallel
+    rows = []
+    for stage, numel in enumerate(stage_parameter_counts(config, plan)):
+        ddp = ring_allreduce_bytes(4 * numel, replicas)
+        per_sync = ddp if diloco.compression is None else payload_nbytes(diloco.compression, numel) * (replicas - 1)
+        rows.append({"stage": stage, "parameters": numel, "bytes_per_sync": per_sync,
+                     "bytes_per_step": per_sync / diloco.sync_every, "ddp_bytes_per_step": ddp,
+                     "ratio_vs_ddp": ddp * diloco.sync_every / per_sync,
+                     "link_seconds_per_sync": per_sync * 8 / link_bits_per_second})
+    return rows
+
+
 def estimate_command(args: argparse.Namespace) -> int:
     config = load_config(args.model)
     plan = load_plan_file(args.plan)
     result = estimate(config, plan, args.batch_size, args.seq_len, parse_link(args.link), _DTYPES[args.dtype],
                       args.num_samples, args.compute_seconds)
+    if plan.diloco is not None:
+        result["diloco"] = {"method": plan.diloco.label(), "sync_every": plan.diloco.sync_every,
+                            "stages": diloco_estimate(config, plan, parse_link(args.link))}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -290,6 +332,14 @@ def estimate_command(args: argparse.Namespace) -> int:
               f"{_size(result['tied_embedding_bytes_at_most_uncompressed'])})")
     elif "tied_embedding_bytes_at_most" in result:
         print(f"tied embedding rows: at most {_size(result['tied_embedding_bytes_at_most'])} per step (fp32, exact)")
+    if "diloco" in result:
+        print(f"data parallel: {plan.data_parallel} replicas, {result['diloco']['method']} (an outer step every "
+              f"{result['diloco']['sync_every']} optimizer steps; bytes each replica sends)")
+        print("| stage | parameters | bytes per sync | bytes per step | vs DDP every step | link time per sync |")
+        print("|---|---|---|---|---|---|")
+        for e in result["diloco"]["stages"]:
+            print(f"| {e['stage']} | {e['parameters']:,} | {_size(e['bytes_per_sync'])} | {_size(e['bytes_per_step'])} | "
+                  f"{e['ratio_vs_ddp']:.0f}x fewer | {e['link_seconds_per_sync']:.3f} s |")
     if "expected_speedup" in result:
         print(f"expected step time: {result['step_seconds']:.3f} s vs {result['step_seconds_uncompressed']:.3f} s "
               f"uncompressed: {result['expected_speedup']:.2f}x without overlap (compute + link); "

@@ -80,6 +80,12 @@ _CITATIONS = {
   year={2019},
   eprint={1905.13727}
 }""",
+    "diloco": """@article{douillard2023diloco,
+  title={DiLoCo: Distributed Low-Communication Training of Language Models},
+  author={Douillard, Arthur and Feng, Qixuan and Rusu, Andrei A. and Chhaparia, Rachita and Donchev, Yani and Kuncoro, Adhiguna and Ranzato, Marc'Aurelio and Szlam, Arthur and Shen, Jiajun},
+  journal={arXiv preprint arXiv:2311.08105},
+  year={2023}
+}""",
     "ef_sign": """@inproceedings{karimireddy2019ef,
   title={Error Feedback Fixes SignSGD and other Gradient Compression Schemes},
   author={Karimireddy, Sai Praneeth and Rebjock, Quentin and Stich, Sebastian and Jaggi, Martin},
@@ -302,13 +308,27 @@ def _plan_table(plan: Plan, blocks: list | None) -> str:
     if plan.forward.method == "aqsgd":
         m = plan.memory
         rows.append(("AQ-SGD memory", f"{m.num_samples} samples, {m.dtype}, on {m.store}"))
-    if plan.data_parallel > 1:
+    if plan.diloco is not None:
+        rows.append(("data parallel", f"{plan.data_parallel} replicas, {_describe_diloco(plan.diloco)}"))
+    elif plan.data_parallel > 1:
         hook, params = plan.dp_hook()
         rows.append(("data parallel", f"{plan.data_parallel} replicas, gradients by `{hook}` {params or ''}".strip()))
     if plan.tie_compression is not None:
         rows.append(("tied embedding rows", f"`{plan.tie_compression.describe()}` (rows as deltas, gradient rows "
                                             "with error feedback)"))
     return _table(("setting", "value"), rows)
+
+
+def _describe_diloco(config) -> str:
+    """DiLoCo's settings in words, for the card's plan table."""
+    momentum = (f", {'Nesterov ' if config.nesterov else ''}momentum {config.outer_momentum:g}"
+                if config.outer_momentum else "")
+    codec = (f"`{config.compression.describe()}` with error feedback" if config.compression is not None
+             else "fp32 (exact)")
+    extras = [f"at least {config.min_replicas} per sync" if config.min_replicas else "",
+              "stages staggered" if config.stagger else ""]
+    return (f"DiLoCo: an outer step every {config.sync_every} optimizer steps (outer SGD lr {config.outer_lr:g}"
+            f"{momentum}), pseudo-gradients as {codec}" + "".join(f"; {e}" for e in extras if e))
 
 
 def _communication_table(stats: dict) -> str | None:

@@ -106,6 +106,31 @@ def test_estimate_compressed_warm_up(tmp_path, capsys):
     assert f"(first epoch {kib:.1f} KiB, warm-up hadamard4)" in out
 
 
+def test_estimate_diloco_bytes_per_sync_and_step(tmp_path, capsys):
+    """The pseudo-gradient bytes the estimate gives are the bytes a run counts: the debug GPT-2 on
+    2 stages with int8 pseudo-gradients sends 111,540 and 120,120 bytes per sync (counted in
+    tests/test_diloco.py's 2 x 2 run); DDP's fp32 all-reduce every step sends 124x more."""
+    from hf_actcomp.debug import debug_model
+
+    debug_model("gpt2").config.save_pretrained(tmp_path)
+    plan = Plan(num_stages=2, micro_batches=2, data_parallel=2, dp_compression={
+        "method": "diloco", "sync_every": 32, "compression": {"method": "quantize", "bits": 8}})
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.to_json_string())
+    args = ["estimate", "--model", str(tmp_path), "--plan", str(plan_path), "--batch-size", "8", "--seq-len", "16"]
+    assert main([*args, "--json"]) == 0
+    diloco = json.loads(capsys.readouterr().out)["diloco"]
+    assert diloco["method"] == "diloco-H32-quantize8"
+    assert [e["bytes_per_sync"] for e in diloco["stages"]] == [111540, 120120]
+    assert [e["parameters"] for e in diloco["stages"]] == [108160, 116480]  # the tied embedding on the last stage
+    for e in diloco["stages"]:
+        assert e["bytes_per_step"] == e["bytes_per_sync"] / 32
+        assert e["ddp_bytes_per_step"] == 4 * e["parameters"]  # ring all-reduce of fp32 over 2 replicas
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "| 0 | 108,160 | 108.9 KiB | 3.4 KiB | 124x fewer |" in out
+
+
 def test_estimate_errors(tmp_path, capsys):
     with pytest.raises(ValueError, match="'fast' is not a rate"):
         parse_link("fast")

@@ -91,6 +91,17 @@ def test_card_of_a_compressed_warm_up(tmp_path):
     assert "| forward (activations) | `aqsgd-quantize2 (warm-up hadamard4)` |" in card.text
 
 
+def test_card_of_diloco(tmp_path):
+    plan = Plan(num_stages=2, data_parallel=2, dp_compression={
+        "method": "diloco", "sync_every": 32, "stagger": True, "compression": {"method": "hadamard", "bits": 4}})
+    plan.save_pretrained(tmp_path)
+    card = hub.model_card(tmp_path)
+    assert {"diloco", "data-parallel"} <= set(card.data.tags)
+    assert ("| data parallel | 2 replicas, DiLoCo: an outer step every 32 optimizer steps (outer SGD lr 0.7, Nesterov "
+            "momentum 0.9), pseudo-gradients as `hadamard4` with error feedback; stages staggered |") in card.text
+    assert "douillard2023diloco" in card.text
+
+
 class RecordingApi:
     """Stands in for the Hub: records create_repo / upload_folder calls."""
 

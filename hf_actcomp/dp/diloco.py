@@ -22,6 +22,17 @@ from ..codecs import make_codec
 ROW = 128  # the pseudo-gradient is encoded as rows of this many elements (a power of 2, for `hadamard`)
 
 
+def rows_shape(numel: int) -> tuple[int, int]:
+    """The shape a flat pseudo-gradient of `numel` elements is encoded in (padded to whole rows)."""
+    return (math.ceil(numel / ROW), ROW)
+
+
+def payload_nbytes(compression, numel: int) -> int:
+    """Exact bytes of one replica's payload for `numel` elements (no tensor is allocated)."""
+    return make_codec(compression.codec_name, **compression.codec_params()).payload_nbytes(rows_shape(numel),
+                                                                                          torch.float32)
+
+
 class PseudoGradientCodec:
     """One replica's pseudo-gradient through a registered codec, with error feedback.
 
@@ -35,7 +46,7 @@ class PseudoGradientCodec:
         self.compression = compression
         self.codec = make_codec(compression.codec_name, **compression.codec_params())
         self.numel = numel
-        self.shape = (math.ceil(numel / ROW), ROW)
+        self.shape = rows_shape(numel)
         self.error = torch.zeros(numel, dtype=torch.float32, device=device)
 
     @property
