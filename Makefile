@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test lint train bench-codecs bench-outliers bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-time-to-quality bench-dp-hooks clean
+.PHONY: setup test lint train bench-codecs bench-outliers bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-time-to-quality bench-dp-hooks bench-diloco clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -47,6 +47,9 @@ bench-time-to-quality: setup
 
 bench-dp-hooks: setup
 	$(PY) benchmarks/dp_hooks.py
+
+bench-diloco: setup
+	$(PY) benchmarks/diloco.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache
