@@ -92,6 +92,28 @@ def lighthouse_addresses(num_stages: int) -> list[str] | None:
     return addresses
 
 
+def lighthouses(plan, host: str) -> tuple[list, list[str]]:
+    """(servers started here, one lighthouse address per stage). From `TORCHFT_LIGHTHOUSE` when
+    set; otherwise, in one launch of every replica, rank 0 starts them on `host` and tells the
+    others (collective). A replica launched on its own must be told."""
+    import torch.distributed as dist
+
+    addresses = lighthouse_addresses(plan.num_stages)
+    if addresses is not None:
+        return [], addresses
+    if dist.get_world_size() != plan.world_size:
+        raise ValueError(
+            f"A DiLoCo replica launched on its own (REPLICA_GROUP_ID) needs {LIGHTHOUSE_ENV}: the address of one "
+            f"torchft lighthouse per stage ({plan.num_stages}), comma-separated. Start them with "
+            "`torchft_lighthouse --bind HOST:PORT --min_replicas N` (docs/data_parallel.md)."
+        )
+    servers, box = [], [None]
+    if dist.get_rank() == 0:
+        servers, box[0] = start_lighthouses(plan.num_stages, plan.diloco.min_replicas or plan.data_parallel, host)
+    dist.broadcast_object_list(box, src=0)
+    return servers, box[0]
+
+
 @contextlib.contextmanager
 def _manager_server_bound_to(host: str) -> Iterator[None]:
     """While a Manager is built, its server binds to `host` instead of every interface."""

@@ -27,7 +27,7 @@ from ..checkpoint import CompressionState, model_fingerprint
 from ..codecs import make_codec
 from ..dp import make_compressor
 from ..dp.base import ring_allreduce_bytes
-from ..dp.outer import LIGHTHOUSE_ENV, OuterSync, bind_host, lighthouse_addresses, start_lighthouses
+from ..dp.outer import OuterSync, bind_host, lighthouses
 from ..memory import replica_sample_range
 from ..models import get_adapter, unwrap_peft
 from ..models.router import RouterLoss, router_spec
@@ -156,9 +156,10 @@ class Pipeline(nn.Module):
         self.grads = GradientSync(self.stage, self.mesh, self.group, self.dp_compressor, self.tie,
                                   self.traffic["collectives"])
         self.outer = self._outer_sync() if plan.diloco is not None else None
+        self.data_parallel = self.dp_compressor or self.outer  # what talks between replicas, if anything
         r = ranges[s]
         self.compression = CompressionState(
-            {**self.boundaries, "tie": self.tie, "data_parallel": self.dp_compressor or self.outer},
+            {**self.boundaries, "tie": self.tie, "data_parallel": self.data_parallel},
             rank=self.replica * self.mesh.num_stages + s,  # the rank in a launch of every replica
             metadata={"plan": plan.to_dict(), "world_size": plan.world_size, "stage": s, "blocks": [r.start, r.stop],
                       "model": model_fingerprint(self.config)})
@@ -224,26 +225,11 @@ class Pipeline(nn.Module):
 
     # ------------------------------------------------------------------------- replicas joined by outer steps
     def _outer_sync(self) -> OuterSync:
-        """DiLoCo's replica group of this stage (torchft). One launch holding every replica starts
-        the stages' lighthouses on rank 0 unless `TORCHFT_LIGHTHOUSE` names them."""
-        config, host = self.plan.diloco, bind_host()
-        addresses = lighthouse_addresses(self.mesh.num_stages)
-        self._lighthouses: list = []
-        if addresses is None:
-            if dist.get_world_size() != self.plan.world_size:
-                raise ValueError(
-                    f"A DiLoCo replica launched on its own (REPLICA_GROUP_ID) needs {LIGHTHOUSE_ENV}: the address of "
-                    f"one torchft lighthouse per stage ({self.mesh.num_stages}), comma-separated. Start them with "
-                    "`torchft_lighthouse --bind HOST:PORT --min_replicas N` (docs/data_parallel.md)."
-                )
-            box = [None]
-            if dist.get_rank() == 0:
-                self._lighthouses, box[0] = start_lighthouses(self.mesh.num_stages,
-                                                              config.min_replicas or self.num_replicas, host)
-            dist.broadcast_object_list(box, src=0)
-            addresses = box[0]
-        return OuterSync(config, self.grads.trainable(), stage=self.stage_index, num_stages=self.mesh.num_stages,
-                         replica=self.replica, num_replicas=self.num_replicas,
+        """DiLoCo's replica group of this stage (torchft)."""
+        host = bind_host()
+        self._lighthouses, addresses = lighthouses(self.plan, host)  # servers this rank started (kept alive)
+        return OuterSync(self.plan.diloco, self.grads.trainable(), stage=self.stage_index,
+                         num_stages=self.mesh.num_stages, replica=self.replica, num_replicas=self.num_replicas,
                          lighthouse=addresses[self.stage_index], host=host, timeout=self.timeout)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -524,14 +510,14 @@ class Pipeline(nn.Module):
                 entry["bytes_uncompressed"] += counter["bytes_uncompressed"]
         summary = summarize(channels, traffic)
         summary["stages"] = {part["stage"]: part["timing"] for part in parts}
-        if self.dp_compressor is not None or self.outer is not None:
-            summary["data_parallel"] = (self.dp_compressor or self.outer).stats()
+        if self.data_parallel is not None:
+            summary["data_parallel"] = self.data_parallel.stats()
         return summary
 
     def _local_counters(self) -> dict:
         traffic = {name: c.as_dict() for name, c in self.traffic.items()}
-        if self.dp_compressor is not None or self.outer is not None:
-            traffic["data_parallel"] = (self.dp_compressor or self.outer).stats()
+        if self.data_parallel is not None:
+            traffic["data_parallel"] = self.data_parallel.stats()
         waiting = self.transport.seconds_waiting + self.grads.seconds + self.seconds_collectives
         timing = {
             "steps": self.steps,
