@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from hf_actcomp import Compression, Plan
 from hf_actcomp.dp.diloco import ROW, PseudoGradientCodec
 from hf_actcomp.dp.heal_transport import decode_state, encode_state
-from hf_actcomp.dp.outer import require_torchft
+from hf_actcomp.dp.outer import lighthouse_addresses, require_torchft
 from hf_actcomp.plan import DiLoCoConfig
 
 
@@ -51,6 +51,15 @@ def test_diloco_needs_replicas_and_round_trips_through_json():
     assert again.diloco == plan.diloco
     assert plan.diloco.label() == "diloco-H8-hadamard4"
     assert plan.diloco.offset(1, 2) == 4 and DiLoCoConfig(sync_every=8).offset(1, 2) == 0
+
+
+def test_lighthouses_one_per_stage(monkeypatch):
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://10.0.0.1:29510, http://10.0.0.1:29511")
+    assert lighthouse_addresses(2) == ["http://10.0.0.1:29510", "http://10.0.0.1:29511"]
+    with pytest.raises(ValueError, match="names 2 lighthouse\\(s\\); DiLoCo over 3 stages needs one per stage"):
+        lighthouse_addresses(3)
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE")
+    assert lighthouse_addresses(2) is None
 
 
 def test_missing_torchft_names_the_extra(monkeypatch):
@@ -100,26 +109,33 @@ def test_heal_transport_keeps_nested_state_with_int_keys():
 
 
 # ----------------------------------------------------------------------------- exactness over processes
-def test_h1_equals_per_step_gradient_averaging(tmp_path):
+@pytest.fixture(scope="module")
+def one_stage(tmp_path_factory):
+    """The 1-stage x 2-replica runs, in one launch of 2 processes."""
+    out = tmp_path_factory.mktemp("diloco_one_stage")
+    run_workers("diloco_worker.py", 2, ["one_stage", str(out)], timeout=300)
+    return out
+
+
+def test_h1_equals_per_step_gradient_averaging(one_stage):
     """H=1, outer_lr=1, no momentum, inner SGD: the same weights as averaging gradients every
     step, and the same bytes."""
-    run_workers("diloco_worker.py", 2, ["equivalence", str(tmp_path), "1"], timeout=180)
     for rank in range(2):
-        diloco, dp_diloco = load(tmp_path, "diloco", rank)
-        allreduce, dp_allreduce = load(tmp_path, "allreduce", rank)
+        diloco, dp_diloco = load(one_stage, "diloco", rank)
+        allreduce, dp_allreduce = load(one_stage, "allreduce", rank)
         for name in allreduce:
             torch.testing.assert_close(diloco[name], allreduce[name], rtol=0, atol=1e-6, msg=name)
         assert dp_diloco["bytes_sent"] == dp_allreduce["bytes_sent"] > 0
+        assert "call pipe.attach_optimizer(optimizer) once before training" in dp_diloco["unattached_error"]
 
 
 @pytest.mark.parametrize("compression, error", [("none", 0.0), ("quantize8", 0.02), ("hadamard4", 0.25)])
-def test_synced_weights_are_the_mean_and_replicas_agree_bit_for_bit(tmp_path, compression, error):
+def test_synced_weights_are_the_mean_and_replicas_agree_bit_for_bit(one_stage, compression, error):
     """H=4, outer_lr=1, no momentum: after each sync every replica holds the mean of the replicas'
     weights before it (to 1e-6 without a codec; with one, off by at most `error` of the replicas'
     distance from the mean, in norm over the stage), and the replicas are equal bit for bit. The
     bytes are exact: fp32 ring all-reduce, or each payload to the other replica."""
-    run_workers("diloco_worker.py", 2, ["mean", str(tmp_path), "1", compression], timeout=180)
-    (t0, info), (t1, _) = load(tmp_path, f"mean-{compression}", 0), load(tmp_path, f"mean-{compression}", 1)
+    (t0, info), (t1, _) = load(one_stage, f"mean-{compression}", 0), load(one_stage, f"mean-{compression}", 1)
     for step in (3, 7):
         names = [k.split(".", 1)[1] for k in t0 if k.startswith(f"after{step}.")]
         assert names
@@ -242,3 +258,16 @@ def test_a_lost_replica_does_not_stop_the_other_and_heals_when_it_comes_back(tmp
     for mine, theirs in pairs:
         a, b = weights_of(mine), weights_of(theirs)
         assert all(torch.equal(a[n], b[n]) for n in a), mine["outer_step"]
+
+
+def test_trainer_refuses_a_replica_launch_of_the_wrong_size(tmp_path, monkeypatch):
+    """A DiLoCo replica launched on its own (REPLICA_GROUP_ID) has one process per stage."""
+    from trainer_cases import training_args
+
+    from hf_actcomp.trainer import _check_arguments
+
+    plan = Plan(num_stages=2, data_parallel=2, dp_compression={"method": "diloco"})
+    monkeypatch.setenv("REPLICA_GROUP_ID", "1")
+    with pytest.raises(ValueError, match="launched on its own \\(REPLICA_GROUP_ID\\) needs Plan.num_stages=2 "
+                                         "processes, but this job has 1"):
+        _check_arguments(training_args(str(tmp_path)), plan, {})

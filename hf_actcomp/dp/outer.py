@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..resume import maybe_pause_for_fault_test
@@ -96,8 +97,6 @@ def lighthouses(plan, host: str) -> tuple[list, list[str]]:
     """(servers started here, one lighthouse address per stage). From `TORCHFT_LIGHTHOUSE` when
     set; otherwise, in one launch of every replica, rank 0 starts them on `host` and tells the
     others (collective). A replica launched on its own must be told."""
-    import torch.distributed as dist
-
     addresses = lighthouse_addresses(plan.num_stages)
     if addresses is not None:
         return [], addresses
