@@ -95,8 +95,10 @@ def lighthouse_addresses(num_stages: int) -> list[str] | None:
 
 def lighthouses(plan, host: str) -> tuple[list, list[str]]:
     """(servers started here, one lighthouse address per stage). From `TORCHFT_LIGHTHOUSE` when
-    set; otherwise, in one launch of every replica, rank 0 starts them on `host` and tells the
-    others (collective). A replica launched on its own must be told."""
+    set; otherwise, in one launch of every replica, replica 0's process of each stage starts that
+    stage's lighthouse on `host` and tells the others (collective). It is one of the stage's own
+    syncing processes, so it cannot finish and take the lighthouse with it while the stage's last
+    quorum is still forming. A replica launched on its own must be told."""
     addresses = lighthouse_addresses(plan.num_stages)
     if addresses is not None:
         return [], addresses
@@ -106,11 +108,12 @@ def lighthouses(plan, host: str) -> tuple[list, list[str]]:
             f"torchft lighthouse per stage ({plan.num_stages}), comma-separated. Start them with "
             "`torchft_lighthouse --bind HOST:PORT --min_replicas N` (docs/data_parallel.md)."
         )
-    servers, box = [], [None]
-    if dist.get_rank() == 0:
-        servers, box[0] = start_lighthouses(plan.num_stages, plan.diloco.min_replicas or plan.data_parallel, host)
-    dist.broadcast_object_list(box, src=0)
-    return servers, box[0]
+    servers, mine = [], None
+    if dist.get_rank() < plan.num_stages:  # replica 0: rank = stage
+        servers, (mine,) = start_lighthouses(1, plan.diloco.min_replicas or plan.data_parallel, host)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return servers, gathered[: plan.num_stages]
 
 
 @contextlib.contextmanager
