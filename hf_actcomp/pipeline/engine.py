@@ -28,6 +28,7 @@ from ..codecs import make_codec
 from ..dp import make_compressor
 from ..dp.base import ring_allreduce_bytes
 from ..dp.outer import OuterSync, bind_host, lighthouses
+from ..generation import CachedStage, generation_pieces, next_tokens, positions_from_mask
 from ..memory import replica_sample_range
 from ..models import get_adapter, unwrap_peft
 from ..models.router import RouterLoss, router_spec
@@ -123,7 +124,8 @@ class Pipeline(nn.Module):
         self.transport = Transport(self.group, self.mesh.rank, self.timeout, self.device)
         self._uncompressed = make_codec("none")  # `eval_step(compress=False)`
         # Bytes outside the boundary channels; `evaluation` is everything `eval_step` sends.
-        self.traffic = {"tie": TrafficCounter(), "collectives": TrafficCounter(), "evaluation": TrafficCounter()}
+        self.traffic = {"tie": TrafficCounter(), "collectives": TrafficCounter(), "evaluation": TrafficCounter(),
+                        "inference": TrafficCounter()}  # inference: everything `generate` sends
 
         # The ends of the two boundaries this stage touches (boundary b joins stage b and b+1).
         # With data parallelism, AQ-SGD memory holds only this replica's shard of the samples.
@@ -332,6 +334,85 @@ class Pipeline(nn.Module):
         finally:
             self.stage.train(was_training)
         return StepOutput(loss=self._broadcast_loss(self._mean_over_replicas(total)), num_tokens=num_tokens)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 generation_config=None, **kwargs) -> torch.Tensor:
+        """Generate text with the model still split (call on every rank of the pipeline, with the
+        same prompts, as `train_step`); every rank returns the same ids (prompt + new tokens).
+
+        Each stage keeps the KV cache of its own layers; after the prompt, one token's hidden
+        state per row crosses each boundary, through the plan's inference codec, counted under
+        `inference`. The last stage picks the next tokens with transformers' logits processors
+        and stopping criteria (`max_new_tokens`, `eos_token_id`, `pad_token_id`, `do_sample`,
+        `temperature`, `top_k`, `top_p`, ...) and sends them to the others. Left padding and
+        batched prompts of different lengths work as in `model.generate`.
+        """
+        if self.router is not None:
+            raise NotImplementedError("Pipeline.generate does not carry the MoE router's statistics; build the "
+                                      "model with output_router_logits=False to generate.")
+        model = unwrap_peft(self.model)
+        was_training = model.training
+        model.eval()
+        try:
+            return self._generate(model, input_ids, attention_mask, generation_config, **kwargs)
+        finally:
+            model.train(was_training)
+
+    def _generate(self, model, input_ids, attention_mask, generation_config, **kwargs) -> torch.Tensor:
+        device = self.device
+        input_ids = input_ids.to(device)
+        attention_mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(device)
+        config, processors, stopping = generation_pieces(model, input_ids, attention_mask, generation_config,
+                                                         **kwargs)
+        r = self.ranges[self.stage_index]
+        stage = CachedStage(model, get_adapter(model), r.start, r.stop, first=self.is_first, last=self.is_last)
+        receiver = self.forward_in.inference if self.forward_in is not None else None
+        sender = self.forward_out.inference if self.forward_out is not None else None
+        counter = self.traffic["inference"]
+        batch = input_ids.shape[0]
+        pad = config._pad_token_tensor
+        has_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping)
+        unfinished = torch.ones(batch, dtype=torch.long, device=device)
+        positions = positions_from_mask(attention_mask)
+        mask = None if bool((attention_mask == 1).all()) else attention_mask  # as generate passes it
+        new, step = input_ids, 0
+        while True:
+            if self.tie is not None:  # the first stage's copy needs the rows of the new tokens
+                self.tie.share_rows(new, counter)
+            shape = (batch, new.shape[1], self.hidden_size)
+            h = new
+            if not self.is_first:
+                with self._naming_the_step("generation"):
+                    self.links["forward_in"].post(step, shape, device, f"generation activations of token {step}",
+                                                  codec=receiver)
+                    h, _ = self.links["forward_in"].receive(step, shape, codec=receiver)
+            with self._autocast():
+                out = stage(h, mask, positions)
+            message = torch.empty(2 * batch, dtype=torch.long, device=device)  # next tokens, unfinished flags
+            if self.is_last:
+                chosen = next_tokens(config, processors, input_ids, out[:, -1])
+                if has_eos:
+                    chosen = chosen * unfinished + pad * (1 - unfinished)
+                unfinished = unfinished & ~stopping(torch.cat([input_ids, chosen[:, None]], dim=-1), None).long()
+                message = torch.cat([chosen, unfinished])
+            else:
+                self.links["forward_out"].send(step, out, None, codec=sender, counter=counter)
+            if self.mesh.num_stages > 1:
+                dist.broadcast(message, src=self.mesh.ranks[-1], group=self.group)
+                if self.is_last:
+                    nbytes = message.numel() * message.element_size() * (self.mesh.num_stages - 1)
+                    counter.add(nbytes, nbytes)
+            chosen, unfinished = message[:batch], message[batch:]
+            input_ids = torch.cat([input_ids, chosen[:, None]], dim=-1)
+            if unfinished.max() == 0:
+                break
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=-1)
+            positions = positions[:, -1:] + 1
+            new, step = chosen[:, None], step + 1
+        self.transport.flush()
+        return input_ids
 
     @contextlib.contextmanager
     def _naming_the_step(self, what: str):

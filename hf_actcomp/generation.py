@@ -1,0 +1,156 @@
+"""Text generation with the model still split: each stage keeps the KV cache of its own layers.
+
+`model.generate`'s sampling loop, with the forward replaced by the stages: the first stage embeds
+the new tokens, each stage runs its blocks against its own `transformers.DynamicCache` and hands
+the new tokens' hidden states on, the last stage computes the logits of the last position and
+picks the next tokens with transformers' own logits processors and stopping criteria. Every
+stage rebuilds positions and masks from the 2-D attention mask alone, as `generate` does
+(positions `cumsum - 1`, pads 0), so only one token's hidden state per row crosses a boundary
+after the prompt. Proven equal to `model.generate` (tokens and logits) in
+docs/spikes/generate_kv_cache; two details matter:
+
+- the causal / sliding-window mask must be sized by a cache layer of THIS stage
+  (`layer_idx`): the default, the model's first such layer, is empty in later stages;
+- the logits processors must see the 2-D mask (the repetition penalty skips left pads by it).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from .models.decoder import FULL, SLIDING, DecoderAdapter
+
+MASK_FUNCTIONS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The positions `generate` gives each token: `cumsum(mask) - 1`, pads at 0."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 0)
+
+
+class CachedStage:
+    """Blocks [start, stop) of `model` with their own KV cache, run on new tokens only.
+
+    Args:
+        model: the causal LM (its other stages' parameters may be freed).
+        adapter: the model's `ModelAdapter`.
+        start, stop: this stage's blocks.
+        first, last: whether it embeds tokens / computes logits.
+    """
+
+    def __init__(self, model, adapter, start: int, stop: int, *, first: bool, last: bool) -> None:
+        self.model, self.adapter = model, adapter
+        self.start, self.stop, self.first, self.last = start, stop, first, last
+        self.family = model.config.model_type
+        if self.family not in ("gpt2", "opt") and not isinstance(adapter, DecoderAdapter):
+            raise NotImplementedError(f"Generation across stages is not implemented for {self.family!r}.")
+        # Every layer is listed; only this stage's layers ever hold tensors (attention updates the
+        # cache at its global layer index), sliding layers where the config says so.
+        self.cache = DynamicCache(config=model.config)
+
+    def _mask_layer(self, kind: str) -> int:
+        """The first layer of this stage whose cache layer is of `kind` (sizes the mask)."""
+        sliding = kind == SLIDING
+        return next((i for i in range(self.start, self.stop) if bool(self.cache.is_sliding[i]) == sliding),
+                    self.start)
+
+    def __call__(self, x: torch.Tensor, attention_mask: torch.Tensor | None,
+                 position_ids: torch.Tensor) -> torch.Tensor:
+        """`x`: the new token ids (first stage) or their hidden states; `attention_mask`: the 2-D
+        mask of every token so far (None: no padding at all, as `generate` passes it); returns
+        the new hidden states, or on the last stage the logits of the last position."""
+        if self.family == "gpt2":
+            return self._gpt2(x, attention_mask, position_ids)
+        if self.family == "opt":
+            return self._opt(x, attention_mask, position_ids)
+        return self._decoder(x, attention_mask, position_ids)
+
+    def _decoder(self, x, attention_mask, position_ids):
+        a = self.adapter
+        h = a._module(a.embed_path)(x) if self.first else x
+        kinds = {a.layer_mask_kind(i) for i in range(self.start, self.stop)}
+        masks = {kind: MASK_FUNCTIONS[kind](config=self.model.config, inputs_embeds=h, attention_mask=attention_mask,
+                                            cache=self.cache, position_ids=position_ids,
+                                            layer_idx=self._mask_layer(kind))
+                 for kind in kinds}
+        rotary = a._module(a.rotary_path)
+        if a._rotary_per_layer_type():
+            tables = {kind: rotary(h, position_ids, kind) for kind in kinds}
+        else:
+            table = rotary(h, position_ids=position_ids)
+            tables = dict.fromkeys(kinds, table)
+        for i in range(self.start, self.stop):
+            kind = a.layer_mask_kind(i)
+            h = a.blocks()[i](h, attention_mask=masks[kind], position_embeddings=tables[kind],
+                              position_ids=position_ids, cache=self.cache, use_cache=True)
+        return a.head(h[:, -1:, :]) if self.last else h
+
+    def _gpt2(self, x, attention_mask, position_ids):
+        t = self.model.transformer
+        if self.first:
+            e = t.wte(x)
+            h = t.drop(e + t.wpe(position_ids).to(e.device))
+        else:
+            h = x
+        mask = create_causal_mask(config=self.model.config, inputs_embeds=h, attention_mask=attention_mask,
+                                  cache=self.cache, position_ids=position_ids, layer_idx=self._mask_layer(FULL))
+        for i in range(self.start, self.stop):
+            h = t.h[i](h, self.cache, mask, None, encoder_attention_mask=None, use_cache=True,
+                       position_ids=position_ids)
+        return self.model.lm_head(t.ln_f(h[:, -1:, :])) if self.last else h
+
+    def _opt(self, x, attention_mask, position_ids):
+        d = self.model.model.decoder
+        if self.first:
+            e = d.embed_tokens(x)
+            shape_only = attention_mask if attention_mask is not None else torch.ones(x.shape[0], 1)
+            positions = d.embed_positions(shape_only, 0, position_ids=position_ids)  # adds OPT's +2
+            if d.project_in is not None:
+                e = d.project_in(e)
+            h = e + positions.to(e.device)
+        else:
+            h = x
+        mask = create_causal_mask(config=self.model.config, inputs_embeds=h, attention_mask=attention_mask,
+                                  cache=self.cache, layer_idx=self._mask_layer(FULL))  # OPT: no position_ids
+        for i in range(self.start, self.stop):
+            h = d.layers[i](h, attention_mask=mask, position_ids=position_ids, cache=self.cache, use_cache=True)
+        if not self.last:
+            return h
+        if d.final_layer_norm is not None:
+            h = d.final_layer_norm(h)
+        if d.project_out is not None:
+            h = d.project_out(h)
+        return self.model.lm_head(h[:, -1:, :])
+
+
+def generation_pieces(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      generation_config: GenerationConfig | None = None, **kwargs):
+    """(generation config, logits processors, stopping criteria) as `model.generate` builds them,
+    through the same transformers helpers (private in transformers 5; tests/test_generation.py
+    fails when they change)."""
+    config, _ = model._prepare_generation_config(generation_config, **kwargs)
+    model._prepare_special_tokens(config, True, device=input_ids.device, batch_size=input_ids.shape[0])
+    config = model._prepare_generated_length(
+        generation_config=config,
+        has_default_max_length=kwargs.get("max_length") is None and kwargs.get("max_new_tokens") is None,
+        has_default_min_length=kwargs.get("min_length") is None and kwargs.get("min_new_tokens") is None,
+        model_input_name="input_ids", inputs_tensor=input_ids, input_ids_length=input_ids.shape[1],
+    )
+    processors = model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+        device=input_ids.device, logits_processor=LogitsProcessorList(),
+        model_kwargs={"attention_mask": attention_mask},  # the repetition penalty skips left pads by it
+    )
+    stopping = model._get_stopping_criteria(generation_config=config, stopping_criteria=StoppingCriteriaList())
+    return config, processors, stopping
+
+
+def next_tokens(config, processors, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The next token of each row from the last position's logits, as `generate` picks it."""
+    scores = processors(input_ids, logits.to(copy=True, dtype=torch.float32))
+    if config.do_sample:
+        return torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    return torch.argmax(scores, dim=-1)

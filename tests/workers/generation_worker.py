@@ -1,0 +1,62 @@
+"""Worker of the generation tests: `python generation_worker.py OUT_DIR FAMILY [FAMILY ...]`.
+
+Each rank computes `model.generate` on the unsplit model first (prepare frees the other stages),
+then `Pipeline.generate` on the split one, and writes both, and the bytes counted, per family.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import hf_actcomp
+from hf_actcomp import Plan
+from hf_actcomp.debug import debug_model
+
+
+def left_padded_prompts(model, lengths=(9, 5, 2), seed=1):
+    """A batch of prompts of different lengths, left-padded."""
+    g = torch.Generator().manual_seed(seed)
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(3, model.config.vocab_size - 1, (n,), generator=g)
+        mask[row, width - n:] = 1
+    return ids, mask
+
+
+def main() -> None:
+    out_dir, *families = sys.argv[1:]
+    dist.init_process_group("gloo")
+    results = {}
+    try:
+        for family in families:
+            model = debug_model(family, seed=0).eval()
+            ids, mask = left_padded_prompts(model)
+            settings = {"greedy": {"do_sample": False}, "sampled": {"do_sample": True, "temperature": 0.7,
+                                                                    "top_k": 50, "top_p": 0.9}}
+            expected = {}
+            for name, kwargs in settings.items():
+                torch.manual_seed(123)
+                expected[name] = model.generate(ids, attention_mask=mask, max_new_tokens=8, **kwargs).tolist()
+            pipe = hf_actcomp.prepare(model, Plan(num_stages=dist.get_world_size()), timeout=60)
+            got = {}
+            for name, kwargs in settings.items():
+                torch.manual_seed(123)  # only the last stage draws
+                got[name] = pipe.generate(ids, attention_mask=mask, max_new_tokens=8, **kwargs).tolist()
+            results[family] = {"expected": expected, "got": got,
+                               "inference": pipe.stats()["categories"].get("inference", {})}
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{int(os.environ['RANK'])}.json"), "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
