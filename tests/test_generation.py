@@ -10,12 +10,22 @@ FAMILIES = ["gpt2", "opt", "llama", "qwen3", "gemma2", "gemma3_text", "phi3", "m
 
 @pytest.mark.parametrize("stages", [2, 3])
 def test_split_generation_equals_model_generate(tmp_path, stages):
-    """Codec none, left-padded prompts of lengths 9, 5 and 2, 8 new tokens: greedy output equals
+    """Left-padded prompts of lengths 9, 5 and 2, 8 new tokens. Codec none: greedy output equals
     `model.generate` on the unsplit model token for token, and sampling with the same seed too
-    (only the last stage draws), on every rank."""
+    (only the last stage draws), on every rank. int8 boundaries: greedy equals in-process
+    `compressed_inference` token for token. The bytes are exact: a stage sends the prompt's
+    hidden states once, then one token's per row (fp32), and the last stage sends the chosen
+    ids and unfinished flags (int64) to every other stage at each of the 8 steps."""
     run_workers("generation_worker.py", stages, [str(tmp_path), *FAMILIES], timeout=400)
+    batch, prompt, new = 3, 9, 8
     for rank in range(stages):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for family in FAMILIES:
-            for name in ("greedy", "sampled"):
-                assert results[family]["got"][name] == results[family]["expected"][name], (family, name, rank)
+            result = results[family]
+            for name in ("greedy", "sampled", "int8"):
+                assert result["got"][name] == result["expected"][name], (family, name, rank)
+            if result["tied"]:
+                continue  # the tied embedding's rows of each step's distinct tokens ride along too
+            per_run = (2 * batch * 8 * new * (stages - 1) if rank == stages - 1
+                       else batch * result["hidden_size"] * 4 * (prompt + new - 1))
+            assert result["inference_bytes"] == 2 * per_run, (family, rank)  # greedy + sampled

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import hf_actcomp
-from hf_actcomp import Plan
+from hf_actcomp import Compression, Plan
 from hf_actcomp.debug import debug_model
 
 
@@ -41,17 +41,26 @@ def main() -> None:
             ids, mask = left_padded_prompts(model)
             settings = {"greedy": {"do_sample": False}, "sampled": {"do_sample": True, "temperature": 0.7,
                                                                     "top_k": 50, "top_p": 0.9}}
+            stages = dist.get_world_size()
+            int8 = Plan(num_stages=stages, forward=Compression("quantize", bits=8))
             expected = {}
             for name, kwargs in settings.items():
                 torch.manual_seed(123)
                 expected[name] = model.generate(ids, attention_mask=mask, max_new_tokens=8, **kwargs).tolist()
-            pipe = hf_actcomp.prepare(model, Plan(num_stages=dist.get_world_size()), timeout=60)
+            with hf_actcomp.compressed_inference(model, int8) as inference:  # in one process, same codec
+                expected["int8"] = inference.generate(ids, attention_mask=mask, max_new_tokens=8,
+                                                      do_sample=False).tolist()
             got = {}
+            pipe = hf_actcomp.prepare(model, Plan(num_stages=stages), timeout=60)
             for name, kwargs in settings.items():
                 torch.manual_seed(123)  # only the last stage draws
                 got[name] = pipe.generate(ids, attention_mask=mask, max_new_tokens=8, **kwargs).tolist()
-            results[family] = {"expected": expected, "got": got,
-                               "inference": pipe.stats()["categories"].get("inference", {})}
+            inference_bytes = pipe.stats()["categories"].get("inference", {}).get("bytes_sent", 0)
+            compressed = hf_actcomp.prepare(debug_model(family, seed=0).eval(), int8, timeout=60)
+            got["int8"] = compressed.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False).tolist()
+            results[family] = {"expected": expected, "got": got, "inference_bytes": inference_bytes,
+                               "hidden_size": model.config.hidden_size,
+                               "tied": bool(compressed.tie is not None)}
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{int(os.environ['RANK'])}.json"), "w") as f:
