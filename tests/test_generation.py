@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from distributed import run_workers
+from distributed import WORKERS, run_workers
 
 FAMILIES = ["gpt2", "opt", "llama", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral"]
 
@@ -29,3 +29,27 @@ def test_split_generation_equals_model_generate(tmp_path, stages):
             per_run = (2 * batch * 8 * new * (stages - 1) if rank == stages - 1
                        else batch * result["hidden_size"] * 4 * (prompt + new - 1))
             assert result["inference_bytes"] == 2 * per_run, (family, rank)  # greedy + sampled
+
+
+def test_generation_after_per_stage_loading(tmp_path):
+    """`prepare("path", plan)`: no rank holds the whole model, and greedy output still equals
+    `model.generate` on the unsplit model."""
+    import sys
+
+    import torch
+
+    from hf_actcomp.debug import debug_model
+
+    sys.path.insert(0, str(WORKERS))
+    from generation_worker import left_padded_prompts
+
+    model = debug_model("llama", seed=0).eval()
+    model.save_pretrained(tmp_path / "checkpoint")
+    ids, mask = left_padded_prompts(model)
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False).tolist()
+    run_workers("generation_worker.py", 2, [str(tmp_path), f"loaded:{tmp_path / 'checkpoint'}"], timeout=200)
+    for rank in range(2):
+        loaded = json.loads((tmp_path / f"rank{rank}.json").read_text())["loaded"]
+        assert loaded["got"] == expected, rank
+        assert loaded["held"] < sum(p.numel() for p in model.parameters())  # no rank holds the whole model
