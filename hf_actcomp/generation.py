@@ -21,6 +21,8 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from .models.decoder import FULL, SLIDING, DecoderAdapter
+from .models.gpt2 import GPT2Adapter
+from .models.opt import OPTAdapter
 
 MASK_FUNCTIONS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
 
@@ -44,9 +46,14 @@ class CachedStage:
     def __init__(self, model, adapter, start: int, stop: int, *, first: bool, last: bool) -> None:
         self.model, self.adapter = model, adapter
         self.start, self.stop, self.first, self.last = start, stop, first, last
-        self.family = model.config.model_type
-        if self.family not in ("gpt2", "opt") and not isinstance(adapter, DecoderAdapter):
-            raise NotImplementedError(f"Generation across stages is not implemented for {self.family!r}.")
+        forwards = {GPT2Adapter: self._gpt2, OPTAdapter: self._opt, DecoderAdapter: self._decoder}
+        self._forward = next((f for cls, f in forwards.items() if isinstance(adapter, cls)), None)
+        if self._forward is None:
+            raise TypeError(
+                f"Pipeline.generate runs the stages with a KV cache for the built-in adapters (GPT-2, OPT and the "
+                f"standard decoder: {', '.join(sorted(DecoderAdapter.model_types))} and families registered with "
+                f"register_standard_decoder); {type(adapter).__name__} is none of them."
+            )
         # Every layer is listed; only this stage's layers ever hold tensors (attention updates the
         # cache at its global layer index), sliding layers where the config says so.
         self.cache = DynamicCache(config=model.config)
@@ -62,11 +69,7 @@ class CachedStage:
         """`x`: the new token ids (first stage) or their hidden states; `attention_mask`: the 2-D
         mask of every token so far (None: no padding at all, as `generate` passes it); returns
         the new hidden states, or on the last stage the logits of the last position."""
-        if self.family == "gpt2":
-            return self._gpt2(x, attention_mask, position_ids)
-        if self.family == "opt":
-            return self._opt(x, attention_mask, position_ids)
-        return self._decoder(x, attention_mask, position_ids)
+        return self._forward(x, attention_mask, position_ids)
 
     def _decoder(self, x, attention_mask, position_ids):
         a = self.adapter

@@ -5,7 +5,8 @@ import json
 import pytest
 from distributed import WORKERS, run_workers
 
-FAMILIES = ["gpt2", "opt", "llama", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral"]
+# mixtral-aux: with output_router_logits, whose side channel on the links carries zeros here
+FAMILIES = ["gpt2", "opt", "llama", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "mixtral-aux"]
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -15,11 +16,15 @@ def test_split_generation_equals_model_generate(tmp_path, stages):
     (only the last stage draws), on every rank. int8 boundaries: greedy equals in-process
     `compressed_inference` token for token. The bytes are exact: a stage sends the prompt's
     hidden states once, then one token's per row (fp32), and the last stage sends the chosen
-    ids and unfinished flags (int64) to every other stage at each of the 8 steps."""
+    ids and unfinished flags (int64) to every other stage at each of the 8 steps (with the MoE
+    router's side channel: its fixed size with every message)."""
     run_workers("generation_worker.py", stages, [str(tmp_path), *FAMILIES], timeout=400)
     batch, prompt, new = 3, 9, 8
     for rank in range(stages):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert results["mixtral-aux"]["router"]
+        if rank < stages - 1:
+            assert results["mixtral-aux"]["side_bytes"] > 0  # the router's side channel is on the link
         for family in FAMILIES:
             result = results[family]
             for name in ("greedy", "sampled", "int8"):
@@ -27,7 +32,7 @@ def test_split_generation_equals_model_generate(tmp_path, stages):
             if result["tied"]:
                 continue  # the tied embedding's rows of each step's distinct tokens ride along too
             per_run = (2 * batch * 8 * new * (stages - 1) if rank == stages - 1
-                       else batch * result["hidden_size"] * 4 * (prompt + new - 1))
+                       else batch * result["hidden_size"] * 4 * (prompt + new - 1) + result["side_bytes"] * new)
             assert result["inference_bytes"] == 2 * per_run, (family, rank)  # greedy + sampled
 
 

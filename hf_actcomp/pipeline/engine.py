@@ -348,9 +348,6 @@ class Pipeline(nn.Module):
         `temperature`, `top_k`, `top_p`, ...) and sends them to the others. Left padding and
         batched prompts of different lengths work as in `model.generate`.
         """
-        if self.router is not None:
-            raise NotImplementedError("Pipeline.generate does not carry the MoE router's statistics; build the "
-                                      "model with output_router_logits=False to generate.")
         model = unwrap_peft(self.model)
         was_training = model.training
         model.eval()
@@ -369,6 +366,10 @@ class Pipeline(nn.Module):
         stage = CachedStage(model, get_adapter(model), r.start, r.stop, first=self.is_first, last=self.is_last)
         receiver = self.forward_in.inference if self.forward_in is not None else None
         sender = self.forward_out.inference if self.forward_out is not None else None
+        # MoE with output_router_logits: the link's side channel carries no loss statistics here
+        # (no loss is computed), zeros of its fixed size keep the wire format.
+        side = (torch.zeros(self.links["forward_out"].side_numel, device=device)
+                if sender is not None and self.links["forward_out"].side_numel else None)
         counter = self.traffic["inference"]
         batch = input_ids.shape[0]
         pad = config._pad_token_tensor
@@ -397,7 +398,7 @@ class Pipeline(nn.Module):
                 unfinished = unfinished & ~stopping(torch.cat([input_ids, chosen[:, None]], dim=-1), None).long()
                 message = torch.cat([chosen, unfinished])
             else:
-                self.links["forward_out"].send(step, out, None, codec=sender, counter=counter)
+                self.links["forward_out"].send(step, out, side, codec=sender, counter=counter)
             if self.mesh.num_stages > 1:
                 dist.broadcast(message, src=self.mesh.ranks[-1], group=self.group)
                 if self.is_last:
