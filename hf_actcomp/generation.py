@@ -6,8 +6,8 @@ the new tokens' hidden states on, the last stage computes the logits of the last
 picks the next tokens with transformers' own logits processors and stopping criteria. Every
 stage rebuilds positions and masks from the 2-D attention mask alone, as `generate` does
 (positions `cumsum - 1`, pads 0), so only one token's hidden state per row crosses a boundary
-after the prompt. Proven equal to `model.generate` (tokens and logits) in
-docs/spikes/generate_kv_cache; two details matter:
+after the prompt (tests/test_generation.py checks it against `model.generate`). Two details
+matter:
 
 - the causal / sliding-window mask must be sized by a cache layer of THIS stage
   (`layer_idx`): the default, the model's first such layer, is empty in later stages;

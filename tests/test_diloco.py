@@ -204,9 +204,9 @@ def test_a_lost_replica_does_not_stop_the_other_and_heals_when_it_comes_back(tmp
     import signal
     import time
 
-    from hf_actcomp.dp.outer import start_lighthouses
+    from hf_actcomp.dp.outer import start_lighthouse
 
-    servers, (lighthouse,) = start_lighthouses(1, min_replicas=1, host="127.0.0.1")
+    server, lighthouse = start_lighthouse(min_replicas=1, host="127.0.0.1")
     stop_file, pid_file = tmp_path / "stop", tmp_path / "pid"
     procs = []
     deadline = time.monotonic() + 150
@@ -234,8 +234,7 @@ def test_a_lost_replica_does_not_stop_the_other_and_heals_when_it_comes_back(tmp
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for server in servers:
-            server.shutdown()
+        server.shutdown()
 
     def records(replica: int, pid: int) -> list[dict]:
         return json.loads((tmp_path / f"replica{replica}-{pid}.json").read_text())["records"]

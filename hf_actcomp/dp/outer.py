@@ -66,17 +66,13 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def start_lighthouses(count: int, min_replicas: int, host: str) -> tuple[list, list[str]]:
-    """`count` torchft lighthouses bound to `host` (one per stage): the servers and their addresses."""
+def start_lighthouse(min_replicas: int, host: str):
+    """A torchft lighthouse bound to `host`: (the server, its address)."""
     from torchft._torchft import LighthouseServer
 
-    servers, addresses = [], []
-    for _ in range(count):
-        server = LighthouseServer(bind=f"{_url_host(host)}:0", min_replicas=min_replicas)
-        port = server.address().rsplit(":", 1)[1]  # it advertises the machine's hostname: use `host`
-        servers.append(server)
-        addresses.append(f"http://{_url_host(host)}:{port}")
-    return servers, addresses
+    server = LighthouseServer(bind=f"{_url_host(host)}:0", min_replicas=min_replicas)
+    port = server.address().rsplit(":", 1)[1]  # it advertises the machine's hostname: use `host`
+    return server, f"http://{_url_host(host)}:{port}"
 
 
 def lighthouse_addresses(num_stages: int) -> list[str] | None:
@@ -110,7 +106,8 @@ def lighthouses(plan, host: str) -> tuple[list, list[str]]:
         )
     servers, mine = [], None
     if dist.get_rank() < plan.num_stages:  # replica 0: rank = stage
-        servers, (mine,) = start_lighthouses(1, plan.diloco.min_replicas or plan.data_parallel, host)
+        server, mine = start_lighthouse(plan.diloco.min_replicas or plan.data_parallel, host)
+        servers.append(server)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return servers, gathered[: plan.num_stages]
