@@ -37,7 +37,7 @@ from ..plan import Plan
 from ..telemetry import TrafficCounter, summarize
 from .checkpointing import StageWeights, free_other_parameters
 from .gradsync import GradientSync, TiedEmbedding
-from .link import StageLink
+from .link import NEXT_TOKENS_TAG, StageLink
 from .loading import load_stage_model
 from .mesh import build_mesh, check_world_size
 from .schedule import stage_actions
@@ -400,10 +400,7 @@ class Pipeline(nn.Module):
             else:
                 self.links["forward_out"].send(step, out, side, codec=sender, counter=counter)
             if self.mesh.num_stages > 1:
-                dist.broadcast(message, src=self.mesh.ranks[-1], group=self.group)
-                if self.is_last:
-                    nbytes = message.numel() * message.element_size() * (self.mesh.num_stages - 1)
-                    counter.add(nbytes, nbytes)
+                message = self._share_next_tokens(message, step, counter)
             chosen, unfinished = message[:batch], message[batch:]
             input_ids = torch.cat([input_ids, chosen[:, None]], dim=-1)
             if unfinished.max() == 0:
@@ -414,6 +411,19 @@ class Pipeline(nn.Module):
             new, step = chosen[:, None], step + 1
         self.transport.flush()
         return input_ids
+
+    def _share_next_tokens(self, message: torch.Tensor, step: int, counter: TrafficCounter) -> torch.Tensor:
+        """The last stage sends the chosen ids and unfinished flags to every other stage, point to
+        point through the transport (a hung peer raises `PeerTimeoutError`, as in training)."""
+        if self.is_last:
+            payload = message.view(torch.uint8)
+            for dst in self.mesh.ranks[:-1]:
+                self.transport.send(payload, dst, tag=NEXT_TOKENS_TAG)
+                counter.add(payload.numel(), payload.numel())
+            return message
+        payload = self.transport.recv(message.numel() * message.element_size(), self.mesh.ranks[-1], self.device,
+                                      f"the next token ids of generation step {step}", tag=NEXT_TOKENS_TAG)
+        return payload.view(torch.long)
 
     @contextlib.contextmanager
     def _naming_the_step(self, what: str):

@@ -24,6 +24,7 @@ from .transport import PostedRecv, Transport
 
 # gloo slots of the two directions (the tied-embedding exchange uses the default, 0).
 TAGS = {"forward": 1, "backward": 2}
+NEXT_TOKENS_TAG = 3  # generation: the chosen ids, from the last stage to every other stage
 
 
 class StageLink:
