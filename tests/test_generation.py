@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from distributed import WORKERS, run_workers
 
 # mixtral-aux: with output_router_logits, whose side channel on the links carries zeros here
@@ -17,7 +18,9 @@ def test_split_generation_equals_model_generate(tmp_path, stages):
     `compressed_inference` token for token. The bytes are exact: a stage sends the prompt's
     hidden states once, then one token's per row (fp32), and the last stage sends the chosen
     ids and unfinished flags (int64) to every other stage at each of the 8 steps (with the MoE
-    router's side channel: its fixed size with every message)."""
+    router's side channel: its fixed size with every message); with a tied embedding, the last
+    stage also sends the rows of the prompt's distinct tokens, then of each step's. The raw logits
+    of every greedy step equal `model.generate`'s (`output_logits`) to 1e-5."""
     run_workers("generation_worker.py", stages, [str(tmp_path), *FAMILIES], timeout=400)
     batch, prompt, new = 3, 9, 8
     for rank in range(stages):
@@ -29,11 +32,21 @@ def test_split_generation_equals_model_generate(tmp_path, stages):
             result = results[family]
             for name in ("greedy", "sampled", "int8"):
                 assert result["got"][name] == result["expected"][name], (family, name, rank)
-            if result["tied"]:
-                continue  # the tied embedding's rows of each step's distinct tokens ride along too
-            per_run = (2 * batch * 8 * new * (stages - 1) if rank == stages - 1
-                       else batch * result["hidden_size"] * 4 * (prompt + new - 1) + result["side_bytes"] * new)
-            assert result["inference_bytes"] == 2 * per_run, (family, rank)  # greedy + sampled
+            if rank == stages - 1:  # the raw logits of every greedy step, not only their argmax
+                logits = result["logits"]
+                assert logits["steps"] == new and logits["max_diff"] <= 1e-5 * max(1.0, logits["scale"]), family
+            hidden = result["hidden_size"]
+            expected_bytes = 0
+            for name in ("greedy", "sampled"):
+                if rank < stages - 1:  # the prompt's hidden states, then one token's per row
+                    expected_bytes += batch * hidden * 4 * (prompt + new - 1) + result["side_bytes"] * new
+                    continue
+                expected_bytes += 2 * batch * 8 * new * (stages - 1)  # ids and unfinished flags (int64)
+                if result["tied"]:  # the tie's rows of the prompt's distinct tokens, then of each new column
+                    ids = torch.tensor(result["got"][name])
+                    columns = [ids[:, :prompt]] + [ids[:, c] for c in range(prompt, prompt + new - 1)]
+                    expected_bytes += sum(torch.unique(c).numel() for c in columns) * hidden * 4
+            assert result["inference_bytes"] == expected_bytes, (family, rank)
 
 
 def test_generation_after_per_stage_loading(tmp_path):
@@ -58,3 +71,14 @@ def test_generation_after_per_stage_loading(tmp_path):
         loaded = json.loads((tmp_path / f"rank{rank}.json").read_text())["loaded"]
         assert loaded["got"] == expected, rank
         assert loaded["held"] < sum(p.numel() for p in model.parameters())  # no rank holds the whole model
+
+
+def test_hung_peer_during_generation_raises_peer_timeout(tmp_path):
+    """The last stage never answers: the first stage's wait for the next token ids fails with
+    `PeerTimeoutError` after the pipeline's timeout (2 s), naming the peer."""
+    run_workers("generation_worker.py", 2, [str(tmp_path), "hung"], timeout=120)
+    report = json.loads((tmp_path / "hung.json").read_text())
+    assert report["error"] is not None, "generate returned although its peer never answered"
+    assert "Rank 0 failed receiving the next token ids of generation step 0" in report["error"]
+    assert "with rank 1 (timeout 2s)" in report["error"]
+    assert 1.5 < report["seconds"] < 20

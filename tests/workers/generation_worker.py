@@ -4,9 +4,11 @@ Each rank computes `model.generate` on the unsplit model first (prepare frees th
 then `Pipeline.generate` on the split one, and writes both, and the bytes counted, per family.
 """
 
+import contextlib
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -14,6 +16,7 @@ import torch.distributed as dist
 import hf_actcomp
 from hf_actcomp import Compression, Plan
 from hf_actcomp.debug import debug_model
+from hf_actcomp.pipeline import engine
 
 
 def left_padded_prompts(model, lengths=(9, 5, 2), seed=1):
@@ -38,9 +41,61 @@ def build(family: str):
     return debug_model(family, seed=0).eval()
 
 
+@contextlib.contextmanager
+def spying_on_logits():
+    """The raw last-position logits the last stage picks each token from (empty on other stages)."""
+    seen = []
+    original = engine.next_tokens
+
+    def spy(config, processors, input_ids, logits):
+        seen.append(logits.detach().clone())
+        return original(config, processors, input_ids, logits)
+
+    engine.next_tokens = spy
+    try:
+        yield seen
+    finally:
+        engine.next_tokens = original
+
+
+def logits_difference(got: list, reference: tuple) -> dict | None:
+    """Largest absolute difference of the step logits, and the largest reference logit."""
+    if not got:
+        return None
+    assert len(got) == len(reference), (len(got), len(reference))
+    return {"max_diff": max(float((g - r).abs().max()) for g, r in zip(got, reference, strict=True)),
+            "scale": max(float(r.abs().max()) for r in reference), "steps": len(got)}
+
+
+def hung(out_dir: str) -> None:
+    """The last stage stays alive but never generates: the first stage's wait for the next token
+    ids fails with PeerTimeoutError after the timeout."""
+    model = build("llama")
+    ids, mask = left_padded_prompts(model)
+    pipe = hf_actcomp.prepare(model, Plan(num_stages=2), timeout=2)
+    done = os.path.join(out_dir, "hung.json")
+    if dist.get_rank() == 0:
+        start = time.perf_counter()
+        try:
+            pipe.generate(ids, attention_mask=mask, max_new_tokens=4)
+            report = {"error": None}
+        except hf_actcomp.PeerTimeoutError as err:
+            report = {"error": str(err), "seconds": time.perf_counter() - start}
+        with open(done, "w") as f:
+            json.dump(report, f)
+        os._exit(0)  # the abandoned receive goes with the process
+    deadline = time.monotonic() + 60  # alive, never sending, until rank 0 has reported
+    while time.monotonic() < deadline and not os.path.exists(done):
+        time.sleep(0.2)
+    time.sleep(0.5)
+    os._exit(0)
+
+
 def main() -> None:
     out_dir, *families = sys.argv[1:]
     dist.init_process_group("gloo")
+    if families == ["hung"]:
+        hung(out_dir)
     results = {}
     try:
         for family in families:
@@ -70,13 +125,19 @@ def main() -> None:
             with hf_actcomp.compressed_inference(model, int8) as inference:  # in one process, same codec
                 expected["int8"] = inference.generate(ids, attention_mask=mask, max_new_tokens=8,
                                                       do_sample=False).tolist()
+            with torch.no_grad():  # the raw logits of each greedy step
+                reference = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                           output_logits=True, return_dict_in_generate=True).logits
             if router_logits:
                 model.config.output_router_logits = True
             got = {}
             pipe = hf_actcomp.prepare(model, Plan(num_stages=stages), timeout=60)
             for name, kwargs in settings.items():
                 torch.manual_seed(123)  # only the last stage draws
-                got[name] = pipe.generate(ids, attention_mask=mask, max_new_tokens=8, **kwargs).tolist()
+                with spying_on_logits() as logits:
+                    got[name] = pipe.generate(ids, attention_mask=mask, max_new_tokens=8, **kwargs).tolist()
+                if name == "greedy":
+                    greedy_logits = logits
             inference_bytes = pipe.stats()["categories"].get("inference", {}).get("bytes_sent", 0)
             side_bytes = pipe.links["forward_out"].side_bytes if "forward_out" in pipe.links else 0
             compressed = hf_actcomp.prepare(build(family), int8, timeout=60)
@@ -84,7 +145,8 @@ def main() -> None:
             results[family] = {"expected": expected, "got": got, "inference_bytes": inference_bytes,
                                "side_bytes": side_bytes, "router": pipe.router is not None,
                                "hidden_size": model.config.hidden_size,
-                               "tied": bool(compressed.tie is not None)}
+                               "tied": bool(compressed.tie is not None),
+                               "logits": logits_difference(greedy_logits, reference)}
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{int(os.environ['RANK'])}.json"), "w") as f:
