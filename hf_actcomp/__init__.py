@@ -13,6 +13,7 @@ from .simulate import SimulatedPipeline, simulate
 
 if TYPE_CHECKING:
     from . import hub, trackers
+    from .samples import LogSamplesCallback
     from .trainer import ActCompTrainer
 
 from .version import __version__
@@ -20,6 +21,7 @@ from .version import __version__
 __all__ = [
     "ActCompTrainer",
     "CompressedInference",
+    "LogSamplesCallback",
     "Compression",
     "MemoryConfig",
     "NonFiniteError",
@@ -51,6 +53,10 @@ def __getattr__(name: str):
         from .trainer import ActCompTrainer
 
         return ActCompTrainer
+    if name == "LogSamplesCallback":
+        from .samples import LogSamplesCallback
+
+        return LogSamplesCallback
     if name in ("hub", "trackers"):
         import importlib
 

@@ -34,6 +34,7 @@ from .checkpoint import COMPRESSION_STATE_DIR
 from .data import SAMPLE_ID, add_sample_ids
 from .plan import Plan, launched_per_replica
 from .resume import resolve_resume_from_checkpoint, writing_checkpoint
+from .samples import SAMPLES_KEY, LogSamplesCallback, complete
 from .trackers import check_trackers
 from .trainer_backends import backend_for
 
@@ -272,6 +273,14 @@ class ActCompTrainer(Trainer):
             rows += batch["input_ids"].shape[0]
         return sums[0] / max(tokens, 1), sums[1] / max(tokens, 1), rows
 
+    def generate_samples(self, prompts: list[str], **generate_kwargs: Any) -> list[str]:
+        """The completions of `prompts` by the model as it is now, with the plan's inference codec
+        at the boundaries: with several processes the model still split (`Pipeline.generate`;
+        collective, call on every rank), in one process under `compressed_inference`. Needs
+        `processing_class` (the tokenizer). See `hf_actcomp.samples.LogSamplesCallback`."""
+        return complete(self._backend.generate, self.processing_class, prompts, device=self.args.device,
+                        **generate_kwargs)
+
     # ------------------------------------------------------------------------- saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The trained model (or, for PEFT, the adapter) as one `from_pretrained` checkpoint,
@@ -281,8 +290,10 @@ class ActCompTrainer(Trainer):
     def _run_results(self) -> dict:
         """What the card shows besides the traffic: the latest eval metrics, the log history."""
         evaluations = [h for h in self.state.log_history if "eval_loss" in h]
+        samples = [s for cb in self.callback_handler.callbacks if isinstance(cb, LogSamplesCallback)
+                   for s in cb.samples]
         return {"metrics": evaluations[-1] if evaluations else {}, "log_history": self.state.log_history,
-                "steps": self.state.global_step}
+                "steps": self.state.global_step, **({SAMPLES_KEY: samples} if samples else {})}
 
     def create_model_card(self, language: str | None = None, license: str | None = None, tags=None,
                           model_name: str | None = None, finetuned_from: str | None = None, tasks=None,

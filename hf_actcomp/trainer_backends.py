@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from . import hub
 from .data import SAMPLE_ID
+from .inference import compressed_inference
 from .models import unwrap_peft
 from .pipeline import prepare
 from .plan import Plan, launched_per_replica
@@ -128,6 +129,17 @@ class OneProcess(Backend):
                 return [self.sim(**batch).loss, trainer.model(**plain_inputs).loss]
         finally:
             self.sim.train(was_training)
+
+    def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """`model.generate` with the plan's inference codec at the boundaries."""
+        model = self.trainer.model
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), compressed_inference(unwrap_peft(model), self.plan) as inference:
+                return inference.generate(input_ids, **kwargs)
+        finally:
+            model.train(was_training)
 
     # -- saving and loading
     def save_model(self, output_dir: str, _internal_call: bool) -> None:
@@ -248,6 +260,10 @@ class Pipelined(Backend):
     def eval_losses(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """[through the codecs, without them]."""
         return [self.pipe.eval_step(batch, compress=c).loss for c in (True, False)]
+
+    def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """`Pipeline.generate`: the model still split (collective over the pipeline)."""
+        return self.pipe.generate(input_ids, **kwargs)
 
     # -- saving and loading
     def save_model(self, output_dir: str, _internal_call: bool) -> None:

@@ -36,6 +36,7 @@ from hf_actcomp.resume import (
     resolve_resume_from_checkpoint,
     writing_checkpoint,
 )
+from hf_actcomp.samples import complete
 from hf_actcomp.training_state import load_training_state, save_training_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -87,6 +88,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="seconds a rank waits for a peer (or a collective) before it fails, naming the peer")
     p.add_argument("--report_to", default=None, help="a tracker (tensorboard, wandb, ...); fails at once if missing")
     p.add_argument("--logging_steps", type=int, default=10, help="record losses and bytes for the curves every N steps")
+    p.add_argument("--sample_prompts", nargs="+", default=None, metavar="PROMPT",
+                   help="complete these prompts with the model still split, greedy (after training; with "
+                        "finetune_trainer.py at every evaluation) and keep them in actcomp_results.json")
+    p.add_argument("--sample_max_new_tokens", type=int, default=32, help="new tokens per sample")
     p.add_argument("--push_to_hub", action="store_true", help="upload the saved model, card and curves to the Hub")
     p.add_argument("--hub_model_id", default=None, help="the Hub repo to push to, e.g. user/model")
     p.add_argument("--hub_private_repo", action="store_true")
@@ -180,6 +185,25 @@ def check_hub_args(args) -> None:
     hf_actcomp.trackers.check_trackers(args.report_to)
     if args.push_to_hub and not args.hub_model_id:
         raise ValueError("--push_to_hub needs --hub_model_id (e.g. your-name/gpt2-aqsgd).")
+
+
+def sample(args, pipe, model, plan, tokenizer, accelerator) -> list[dict] | None:
+    """`--sample_prompts`: greedy completions by the trained model with the plan's inference codec,
+    the model still split over the processes (`Pipeline.generate`, every rank) or, in one
+    process, under `compressed_inference`; printed by the main process."""
+    if not args.sample_prompts:
+        return None
+    settings = {"max_new_tokens": args.sample_max_new_tokens, "do_sample": False}
+    if pipe is not None:
+        completions = complete(pipe.generate, tokenizer, args.sample_prompts, device=accelerator.device, **settings)
+    else:
+        model.eval()
+        with torch.no_grad(), hf_actcomp.compressed_inference(model, plan) as inference:
+            completions = complete(inference.generate, tokenizer, args.sample_prompts, device=accelerator.device,
+                                   **settings)
+    for prompt, completion in zip(args.sample_prompts, completions, strict=True):
+        accelerator.print(f"sample: {prompt!r} -> {completion!r}")
+    return [{"prompt": p, "completion": c} for p, c in zip(args.sample_prompts, completions, strict=True)]
 
 
 def main(argv=None) -> dict:
@@ -303,6 +327,7 @@ def main(argv=None) -> dict:
         eval_loss = evaluate_simulated(runner, eval_loader)
         stats = pipeline.stats()
         eval_plain_loss = evaluate_simulated(pipeline.model, eval_loader)
+    samples = sample(args, runner if distributed else None, pipeline.model, plan, tokenizer, accelerator)
     result = {
         "eval_loss": eval_loss,
         "eval_plain_loss": eval_plain_loss,
@@ -316,6 +341,8 @@ def main(argv=None) -> dict:
         "categories": stats["categories"],
         "relative_error": stats["relative_error"],
     }
+    if samples:
+        result["samples"] = samples
     if distributed:
         result["seconds"] = {str(s): t for s, t in stats["stages"].items()}
         if "data_parallel" in stats:
@@ -328,7 +355,8 @@ def main(argv=None) -> dict:
     run = {"metrics": {"eval_loss": eval_loss, "eval_perplexity": result["perplexity"],
                        "eval_plain_loss": eval_plain_loss, "eval_plain_perplexity": math.exp(eval_plain_loss)},
            "log_history": history, "base_model": None if args.model == "offline-gpt2" else args.model,
-           "datasets": None if args.dataset == "offline" else args.dataset}
+           "datasets": None if args.dataset == "offline" else args.dataset,
+           **({"samples": samples} if samples else {})}
     if distributed:  # every stage writes its shard; rank 0 the index, results, curves and card, once
         runner.save_pretrained(args.output_dir, model=model, results=run)
         runner.save_compression_state(state_dir)

@@ -66,6 +66,9 @@ def main(argv=None) -> dict:
     trainer = hf_actcomp.ActCompTrainer(model=model, args=training_args, plan=plan, train_dataset=train,
                                         eval_dataset=evaluation, data_collator=default_data_collator,
                                         processing_class=tokenizer, timeout=args.timeout)
+    if args.sample_prompts:  # completions at every evaluation, to the trackers and actcomp_results.json
+        trainer.add_callback(hf_actcomp.LogSamplesCallback(trainer, args.sample_prompts,
+                                                           max_new_tokens=args.sample_max_new_tokens))
     train_output = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = trainer.evaluate()
     trainer.save_model(args.output_dir)

@@ -18,6 +18,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 
 
+PROMPTS = ["The", "def "]  # for --sample_prompts
+
+
+def _greedy_samples(out, model, plan, new_tokens: int = 8) -> list[dict]:
+    """The saved model's greedy completions of PROMPTS (left-padded) under the plan's inference codec."""
+    from transformers import AutoTokenizer
+
+    from hf_actcomp import compressed_inference
+
+    tokenizer = AutoTokenizer.from_pretrained(out, padding_side="left")
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    with torch.no_grad(), compressed_inference(model.eval(), plan) as inference:
+        ids = inference.generate(**batch, max_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+    completions = tokenizer.batch_decode(ids[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    return [{"prompt": p, "completion": c} for p, c in zip(PROMPTS, completions, strict=True)]
+
+
 def launch(args: list[str], config: str = "cpu_2stage.yaml", timeout: int = 300,
            extra_launch_args: tuple[str, ...] = (), script: str = "finetune_gpt2.py") -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
@@ -32,7 +50,8 @@ def launch(args: list[str], config: str = "cpu_2stage.yaml", timeout: int = 300,
 def test_recipe_trains_saves_and_reloads(tmp_path, plan_file):
     out = tmp_path / "run1"
     launch(["--output_dir", str(out), "--max_train_samples", "32", "--epochs", "2", "--seq_len", "64",
-            "--batch_size", "8", "--plan", os.path.join(ROOT, "recipes/configs", plan_file)])
+            "--batch_size", "8", "--plan", os.path.join(ROOT, "recipes/configs", plan_file),
+            "--sample_prompts", *PROMPTS, "--sample_max_new_tokens", "8"])
     result = json.loads((out / "results.json").read_text())
     assert result["steps"] == 8 and result["processes"] == 2
     assert set(result["seconds"]) == {"0", "1"}
@@ -42,6 +61,10 @@ def test_recipe_trains_saves_and_reloads(tmp_path, plan_file):
     assert plan.forward.method == "aqsgd" and plan.memory.num_samples == 32
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.n_layer == 4
+    # --sample_prompts: greedy completions by the model still split over the 2 processes, equal to
+    # the saved model's own generate under the plan's inference codec (4-bit direct), in one process.
+    assert result["samples"] == _greedy_samples(out, model, plan)
+    assert json.loads((out / "actcomp_results.json").read_text())["samples"] == result["samples"]
     # The card, results and curves of the run (#11): metadata and the measured boundary bytes.
     card = ModelCard.load(out / "README.md")
     assert {"hf-actcomp", "pipeline-parallel", "aq-sgd"} <= set(card.data.tags)
@@ -85,6 +108,7 @@ def test_recipe_trains_saves_and_reloads(tmp_path, plan_file):
             "--max_train_samples", "16", "--epochs", "1", "--seq_len", "32", "--batch_size", "4",
             "--forward", "topk,ratio=0.1,feedback=ef", "--schedule", "gpipe"], config="cpu_single.yaml")
     result2 = json.loads((out2 / "results.json").read_text())
+    assert "samples" not in result2  # none asked for
     assert result2["steps"] == 4 and result2["processes"] == 1 and result2["compression_ratio"] > 3
     plan2 = Plan.from_pretrained(out2)
     assert (plan2.forward.method, plan2.forward.ratio, plan2.forward.feedback, plan2.schedule) == (
@@ -112,8 +136,13 @@ def test_trainer_recipe_with_lora(tmp_path):
     adapter (not the model) saved with the plan."""
     out = tmp_path / "lora"
     launch(["--output_dir", str(out), "--max_train_samples", "32", "--epochs", "2", "--seq_len", "64",
-            "--batch_size", "8", "--lora", "--logging_steps", "1", "--warmup_steps", "0"], script="finetune_trainer.py")
+            "--batch_size", "8", "--lora", "--logging_steps", "1", "--warmup_steps", "0",
+            "--sample_prompts", *PROMPTS, "--sample_max_new_tokens", "4"], script="finetune_trainer.py")
     result = json.loads((out / "results.json").read_text())
+    # LogSamplesCallback: both prompts at each epoch's evaluation (steps 4 and 8; the final evaluate
+    # at step 8 is not sampled twice), kept in actcomp_results.json by save_model.
+    samples = json.loads((out / "actcomp_results.json").read_text())["samples"]
+    assert [(s["step"], s["prompt"]) for s in samples] == [(4, p) for p in PROMPTS] + [(8, p) for p in PROMPTS]
     assert result["processes"] == 2 and result["steps"] == 8
     assert {"adapter_model.safetensors", "adapter_config.json", "actcomp_config.json"} <= set(os.listdir(out))
     assert "model.safetensors" not in os.listdir(out)

@@ -48,3 +48,14 @@ def lora_model(model):
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"],
                                                   lora_dropout=0.0, init_lora_weights="gaussian"))
     return peft_model
+
+
+SAMPLE_PROMPTS = ["def add(a, b):", "The pipeline"]
+
+
+def sample_tokenizer():
+    """A byte-level BPE tokenizer of 300 tokens, trained (deterministically) on a few lines."""
+    from hf_actcomp.data import build_tokenizer
+
+    texts = ["def add(a, b): return a + b", "The pipeline splits the model into stages.", "import torch"] * 10
+    return build_tokenizer(texts, vocab_size=300)

@@ -1,7 +1,8 @@
 """Worker of the multi-process ActCompTrainer tests: `python trainer_worker.py SPEC_JSON OUT_DIR`.
 
 SPEC: {"family", "dtype", "plan" (Plan dict), "args" (TrainingArguments overrides), "lora" (bool),
-"resume" (checkpoint dir or null), "save" (dir or null), "evaluate" (bool), "model_path" (a saved
+"resume" (checkpoint dir or null), "save" (dir or null), "evaluate" (bool), "samples" (prompts for a
+LogSamplesCallback, with a small tokenizer and the model's vocabulary sized to it), "model_path" (a saved
 checkpoint given to ActCompTrainer by path instead of the in-memory debug model)}. Each rank writes its logged losses
 (`losses-rank{r}.json`) and its stage's parameters (`weights-rank{r}.safetensors`).
 """
@@ -17,18 +18,24 @@ import hf_actcomp
 from hf_actcomp.debug import debug_model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainer_cases import lora_model, pad_collator, ragged_dataset, training_args  # noqa: E402
+from trainer_cases import lora_model, pad_collator, ragged_dataset, sample_tokenizer, training_args  # noqa: E402
 
 
 def main(spec: dict, out_dir: str) -> None:
+    tokenizer = sample_tokenizer() if spec.get("samples") else None
+    overrides = {"vocab_size": len(tokenizer)} if tokenizer is not None else {}
     model = spec.get("model_path") or \
-        debug_model(spec.get("family", "gpt2"), seed=0).to(getattr(torch, spec.get("dtype", "float32")))
+        debug_model(spec.get("family", "gpt2"), seed=0, **overrides).to(getattr(torch, spec.get("dtype", "float32")))
     if spec.get("lora"):
         model = lora_model(model)
     plan = hf_actcomp.Plan.from_dict(spec["plan"])
     args = training_args(os.path.join(out_dir, "run"), **spec.get("args", {}))
     trainer = hf_actcomp.ActCompTrainer(model=model, args=args, plan=plan, train_dataset=ragged_dataset(),
-                                        eval_dataset=ragged_dataset(8, seed=1), data_collator=pad_collator)
+                                        eval_dataset=ragged_dataset(8, seed=1), data_collator=pad_collator,
+                                        processing_class=tokenizer)
+    if spec.get("samples"):
+        sampler = hf_actcomp.LogSamplesCallback(trainer, spec["samples"], max_new_tokens=6)
+        trainer.add_callback(sampler)
     trainer.train(resume_from_checkpoint=spec.get("resume"))
     rank = trainer.args.process_index
     metrics = trainer.evaluate() if spec.get("evaluate") else {}
@@ -39,7 +46,8 @@ def main(spec: dict, out_dir: str) -> None:
         json.dump({"losses": [h["loss"] for h in logs], "logs": logs, "metrics": metrics,
                    "total_flos": trainer.state.total_flos,
                    "meta_parameters": sum(p.device.type == "meta" for p in trainer.model.parameters()),
-                   "memory": _memory_report(trainer.pipe)}, f)
+                   "memory": _memory_report(trainer.pipe),
+                   "samples": sampler.samples if spec.get("samples") else None}, f)
     weights = {n: p.detach().contiguous() for n, p in trainer.pipe.stage.named_parameters()}
     save_file(weights, os.path.join(out_dir, f"weights-rank{rank}.safetensors"))
 
