@@ -107,3 +107,24 @@ def test_refused_without_a_tokenizer_or_prompts(tmp_path):
         LogSamplesCallback("trainer", SAMPLE_PROMPTS)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         complete(lambda *a, **k: None, None, SAMPLE_PROMPTS)
+
+
+def test_samples_reach_weights_and_biases_as_a_table():
+    """The W&B branch, with a stand-in for the `wandb` module (not installed here): a Table of
+    step, prompt and completion, logged under "samples"; a run not started gets nothing."""
+    from types import SimpleNamespace
+
+    from transformers.integrations import WandbCallback
+
+    from hf_actcomp.samples import log_to_trackers
+
+    logged = []
+    table = lambda columns, data: {"columns": columns, "data": data}  # noqa: E731
+    callback = WandbCallback.__new__(WandbCallback)  # its __init__ imports wandb
+    rows = [{"step": 3, "prompt": "The", "completion": " end"}]
+    callback._wandb = SimpleNamespace(run=None, Table=table, log=logged.append)
+    log_to_trackers([callback], rows, 3)
+    assert logged == []
+    callback._wandb.run = object()
+    log_to_trackers([callback], rows, 3)
+    assert logged == [{"samples": {"columns": ["step", "prompt", "completion"], "data": [[3, "The", " end"]]}}]
