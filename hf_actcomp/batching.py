@@ -49,7 +49,7 @@ def check_batch(batch: dict[str, torch.Tensor | None], plan: Plan, training: boo
         )
     if needs_labels and batch.get("labels") is None:
         raise ValueError("The batch needs 'labels' to compute the loss on the last stage.")
-    if training and plan.forward.method == "aqsgd":
+    if training and plan.uses_aqsgd:
         if batch.get("sample_id") is None:
             raise ValueError(
                 "AQ-SGD needs a 'sample_id' entry in every training batch. "

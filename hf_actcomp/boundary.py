@@ -54,6 +54,7 @@ class Boundary:
                  sender: bool = True, receiver: bool = True, track_error: bool = True,
                  sample_range: range | None = None) -> None:
         self.name = name
+        self.compression = compression
         self.sender = build_sender(compression, memory, name, track_error=track_error,
                                    sample_range=sample_range) if sender else None
         self.receiver = build_receiver(compression, memory, name, sample_range=sample_range) if receiver else None
@@ -117,3 +118,11 @@ class Boundary:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for part, end in self.ends().items():
             end.load_state_dict(unprefixed(state, part))
+
+    def adopt_memory(self, old: Boundary) -> None:
+        """Take over `old`'s AQ-SGD memory (both AQ-SGD, e.g. another bit width): the entries are
+        what both ends decoded, whatever the codec that will send the next deltas."""
+        if self.receiver is not None:
+            self.receiver.memory = old.receiver.memory
+        if self.sender is not None:
+            self.sender.mirror.memory = old.sender.mirror.memory

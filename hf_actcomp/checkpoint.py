@@ -37,7 +37,7 @@ COMPRESSION_STATE_DIR = "actcomp_state"
 def _plan_fingerprint(plan_dict: dict[str, Any]) -> dict[str, Any]:
     """The plan fields that decide the shape and meaning of the saved state."""
     keep = ("num_stages", "split_points", "forward", "backward", "data_parallel", "dp_compression", "dp_hook",
-            "tie_compression")
+            "tie_compression", "boundaries")
     fingerprint = {k: plan_dict.get(k) for k in keep}
     memory = plan_dict.get("memory") or {}
     fingerprint["memory"] = {k: memory.get(k) for k in ("dtype", "num_samples")}
@@ -70,9 +70,8 @@ def save_state(directory: str | os.PathLike, rank: int, state: dict[str, torch.T
     return files
 
 
-def load_state(directory: str | os.PathLike, rank: int, expected: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Read the state of `rank`, after checking its metadata against `expected` (plan, stage,
-    world size)."""
+def saved_metadata(directory: str | os.PathLike, rank: int) -> dict[str, Any]:
+    """The metadata `save_state` wrote for `rank` (plan, stage, world size, files), unchecked."""
     meta_path = os.path.join(directory, f"rank{rank}.json")
     if not os.path.isfile(meta_path):
         raise FileNotFoundError(
@@ -84,6 +83,14 @@ def load_state(directory: str | os.PathLike, rank: int, expected: dict[str, Any]
             meta = json.load(f)
     except ValueError as err:
         raise ValueError(f"{meta_path} cannot be read ({err}); the file is truncated or damaged.") from err
+    return meta
+
+
+def load_state(directory: str | os.PathLike, rank: int, expected: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Read the state of `rank`, after checking its metadata against `expected` (plan, stage,
+    world size)."""
+    meta = saved_metadata(directory, rank)
+    meta_path = os.path.join(directory, f"rank{rank}.json")
     if meta.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(
             f"{meta_path} has format_version {meta['format_version']}, newer than this hf-actcomp "

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import math
@@ -19,10 +20,12 @@ import torch
 from safetensors import safe_open
 
 from . import hub
+from .auto import Link, Measurements, choose
+from .auto import describe as describe_decision
 from .checkpoint import COMPRESSION_STATE_DIR
 from .feedback import build_codec, build_first_visit_codec
 from .memory import MemoryStore
-from .plan import CONFIG_NAME, Compression, MemoryConfig, Plan
+from .plan import AUTO_QUALITY, CONFIG_NAME, AutoConfig, Compression, MemoryConfig, Plan
 
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -60,10 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", required=True, help="plan YAML/JSON file, or a directory with actcomp_config.json")
     p.add_argument("--batch-size", type=int, required=True, help="rows per optimizer step (per replica)")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per row")
-    p.add_argument("--link", default="100mbit", help="link rate, e.g. 50mbit, 100mbit, 1gbit, 10gbps (default 100mbit)")
+    p.add_argument("--link", default="100mbit",
+                   help="link rate, e.g. 50mbit, 100mbit, 1gbit, 10gbps (default 100mbit); with --auto one per "
+                        "boundary may be given, comma-separated (e.g. 1gbit,10mbit)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of the activations sent")
     p.add_argument("--num-samples", type=int, default=None, help="training rows (AQ-SGD memory), if the plan has none")
     p.add_argument("--compute-seconds", type=float, default=None, help="measured compute seconds per step")
+    p.add_argument("--auto", action="store_true",
+                   help="show what Plan.auto would choose per boundary and direction for these links and "
+                        "--compute-seconds (the busiest stage's seconds per step), without running anything")
+    p.add_argument("--rtt", default="0",
+                   help="--auto: the links' round trip in ms (one, or one per boundary, comma-separated)")
+    p.add_argument("--quality", choices=AUTO_QUALITY, default=None,
+                   help="--auto: the quality level (default: the plan's, if it is a Plan.auto plan, else safe)")
+    p.add_argument("--aqsgd", action="store_true", help="--auto: pick AQ-SGD for activations (default: the plan's)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=estimate_command)
 
@@ -212,24 +225,25 @@ def estimate(config, plan: Plan, batch_size: int, seq_len: int, link_bits_per_se
     def step_bytes(codec) -> int:
         return sum(codec.payload_nbytes((r, seq_len, hidden), dtype) for r in rows)
 
-    forward = step_bytes(build_codec(plan.forward))  # AQ-SGD: its inner codec on deltas (revisits)
-    # AQ-SGD's first epoch: every sample once, with the first-visit codec (none, inner or warm-up).
-    first_epoch = step_bytes(build_first_visit_codec(plan.forward)) if plan.forward.method == "aqsgd" else forward
-    backward = step_bytes(build_codec(plan.backward))
     boundaries = []
     for b in range(plan.num_stages - 1):
-        entry = {"boundary": b, "forward_bytes": forward, "backward_bytes": backward, "uncompressed_bytes": raw,
+        compression = plan.forward_at(b)
+        forward = step_bytes(build_codec(compression))  # AQ-SGD: its inner codec on deltas (revisits)
+        backward = step_bytes(build_codec(plan.backward_at(b)))
+        entry = {"boundary": b, "forward": compression.describe(), "backward": plan.backward_at(b).describe(),
+                 "forward_bytes": forward, "backward_bytes": backward, "uncompressed_bytes": raw,
                  "forward_ratio": raw / forward, "backward_ratio": raw / backward,
                  "link_seconds": (forward + backward) * 8 / link_bits_per_second,
                  "link_seconds_uncompressed": 2 * raw * 8 / link_bits_per_second}
-        if plan.forward.method == "aqsgd":
+        if compression.method == "aqsgd":
             samples = num_samples or plan.memory.num_samples
             if samples is None:
                 raise ValueError("AQ-SGD memory size needs the number of training rows: set memory.num_samples in "
                                  "the plan or pass --num-samples.")
             memory = MemoryConfig(store=plan.memory.store, dtype=plan.memory.dtype, num_samples=samples)
-            entry["first_epoch_forward_bytes"] = first_epoch
-            entry["first_visit"] = first_visit_label(plan.forward)
+            # AQ-SGD's first epoch: every sample once, with the first-visit codec (none, inner or warm-up).
+            entry["first_epoch_forward_bytes"] = step_bytes(build_first_visit_codec(compression))
+            entry["first_visit"] = first_visit_label(compression)
             entry["aqsgd_memory_bytes"] = MemoryStore(samples, memory).nbytes_for((seq_len, hidden))
             entry["aqsgd_memory_store"] = f"{plan.memory.store} of stage {b + 1}"
         boundaries.append(entry)
@@ -302,9 +316,35 @@ def diloco_estimate(config, plan: Plan, link_bits_per_second: float) -> list[dic
     return rows
 
 
+def per_boundary(text: str, num_boundaries: int, parse, flag: str) -> list[float]:
+    """One value per boundary from `text`: a single value for all, or exactly one per boundary."""
+    values = [parse(v) for v in text.split(",")]
+    if len(values) == 1:
+        return values * num_boundaries
+    if len(values) != num_boundaries:
+        raise ValueError(f"{flag} {text!r} gives {len(values)} values; give one, or one per boundary "
+                         f"({num_boundaries}).")
+    return values
+
+
+def auto_estimate(config, plan: Plan, batch_size: int, seq_len: int, links_bits: list[float], rtts: list[float],
+                  compute_seconds: float, dtype: torch.dtype, auto: AutoConfig) -> dict:
+    """What `Plan.auto` would choose: every stage computing `compute_seconds` per step (the
+    busiest stage's), each boundary's link as given in both directions (`rtts` in seconds)."""
+    micro = plan.micro_batches
+    shape = (math.ceil(batch_size / micro), seq_len, int(config.hidden_size))
+    links = [{d: Link(bandwidth=bits / 8, rtt=rtt) for d in ("forward", "backward")}
+             for bits, rtt in zip(links_bits, rtts, strict=True)]
+    measured = Measurements(compute=[compute_seconds / micro] * plan.num_stages, links=links, payload_shape=shape,
+                            dtype=dtype)
+    return choose(measured, auto)
+
+
 def estimate_command(args: argparse.Namespace) -> int:
     config = load_config(args.model)
     plan = load_plan_file(args.plan)
+    if args.auto:
+        return auto_estimate_command(args, config, plan)
     result = estimate(config, plan, args.batch_size, args.seq_len, parse_link(args.link), _DTYPES[args.dtype],
                       args.num_samples, args.compute_seconds)
     if plan.diloco is not None:
@@ -316,14 +356,16 @@ def estimate_command(args: argparse.Namespace) -> int:
     print(f"plan: {plan.num_stages} stages, {plan.micro_batches} micro-batches, forward {plan.forward.describe()}, "
           f"backward {plan.backward.describe()}; batch {args.batch_size} x {args.seq_len} tokens, hidden "
           f"{result['hidden_size']}, {args.dtype}, link {args.link}")
-    print("| boundary | direction | bytes per step | ratio | AQ-SGD memory |")
-    print("|---|---|---|---|---|")
+    print("| boundary | direction | codec | bytes per step | ratio | AQ-SGD memory |")
+    print("|---|---|---|---|---|---|")
     for e in result["boundaries"]:
         memory = (f"{_size(e['aqsgd_memory_bytes'])} ({e['aqsgd_memory_store']})" if "aqsgd_memory_bytes" in e else "")
         first = (f" (first epoch {_size(e['first_epoch_forward_bytes'])}, {e['first_visit']})"
                  if "first_epoch_forward_bytes" in e else "")
-        print(f"| {e['boundary']} | forward | {_size(e['forward_bytes'])}{first} | {e['forward_ratio']:.2f}x | {memory} |")
-        print(f"| {e['boundary']} | backward | {_size(e['backward_bytes'])} | {e['backward_ratio']:.2f}x | |")
+        print(f"| {e['boundary']} | forward | {e['forward']} | {_size(e['forward_bytes'])}{first} | "
+              f"{e['forward_ratio']:.2f}x | {memory} |")
+        print(f"| {e['boundary']} | backward | {e['backward']} | {_size(e['backward_bytes'])} | "
+              f"{e['backward_ratio']:.2f}x | |")
     print(f"link time per step: {result['link_seconds_per_step']:.3f} s "
           f"(uncompressed {result['link_seconds_per_step_uncompressed']:.3f} s; both directions, all boundaries)")
     if "tie_compression" in result:
@@ -346,6 +388,28 @@ def estimate_command(args: argparse.Namespace) -> int:
               f"{result['step_seconds_overlapped']:.3f} s vs {result['step_seconds_overlapped_uncompressed']:.3f} s: "
               f"{result['expected_speedup_overlapped']:.2f}x with full overlap (max of compute and the busiest link "
               "direction; the schedule's dependencies put a real step between the two)")
+    return 0
+
+
+def auto_estimate_command(args: argparse.Namespace, config, plan: Plan) -> int:
+    if args.compute_seconds is None:
+        raise ValueError("--auto needs --compute-seconds: the busiest stage's forward and backward seconds per step "
+                         "(compute hides the link up to that).")
+    base = plan.autotune or AutoConfig()
+    auto = dataclasses.replace(base, quality=args.quality or base.quality, aqsgd=args.aqsgd or base.aqsgd,
+                               decision=None)
+    boundaries = plan.num_stages - 1
+    links = per_boundary(args.link, boundaries, parse_link, "--link")
+    rtts = per_boundary(args.rtt, boundaries, lambda v: float(v) / 1e3, "--rtt")
+    decision = auto_estimate(config, plan, args.batch_size, args.seq_len, links, rtts, args.compute_seconds,
+                             _DTYPES[args.dtype], auto)
+    if args.json:
+        print(json.dumps(decision, indent=2))
+        return 0
+    print(f"plan: {plan.num_stages} stages, {plan.micro_batches} micro-batches; batch {args.batch_size} x "
+          f"{args.seq_len} tokens, hidden {config.hidden_size}, {args.dtype}; compute {args.compute_seconds:g} s "
+          "per step (busiest stage)")
+    print(describe_decision(decision))
     return 0
 
 

@@ -258,7 +258,7 @@ def _methods(plan: Plan) -> dict[str, str]:
     """The methods a run used (wrapper, codecs, feedback, data-parallel hook), in order, each with
     its Hub tag: a codec's and a data-parallel hook's from their registries, the others' from `_METHOD_TAGS`."""
     methods: dict[str, str] = {}
-    for c in (plan.forward, plan.backward):
+    for c in plan_compressions(plan):
         warm_up = c.first_visit.codec_name if c.method == "aqsgd" and isinstance(c.first_visit, Compression) else "none"
         for m, is_codec in ((c.method, c.method in CODECS), (c.codec_name, True), (c.feedback, False), (warm_up, True)):
             if m != "none" and m not in methods:
@@ -268,6 +268,16 @@ def _methods(plan: Plan) -> dict[str, str]:
         if hook != "allreduce":
             methods.setdefault(hook, getattr(HOOKS.get(hook), "hub_tag", None) or hook)
     return methods
+
+
+def plan_compressions(plan: Plan) -> list[Compression]:
+    """Every boundary codec the plan uses, forward before backward, each once."""
+    found: list[Compression] = []
+    for c in [plan.forward_at(b) for b in range(max(plan.num_stages - 1, 1))] + \
+             [plan.backward_at(b) for b in range(max(plan.num_stages - 1, 1))]:
+        if c not in found:
+            found.append(c)
+    return found
 
 
 def _tags(plan: Plan, adapter: bool) -> list[str]:
@@ -290,13 +300,31 @@ def _citations(plan: Plan) -> list[str]:
     return [_CITATIONS[k] for k in keys]
 
 
+def _describe_auto(plan: Plan) -> str:
+    """`Plan.auto`'s row of the card: the quality level and what it measured per boundary."""
+    auto = plan.autotune
+    text = f"`Plan.auto` (quality {auto.quality}" + (f", re-measured every {auto.adapt_every} steps" if auto.adapt_every
+                                                    else "") + ")"
+    decision = auto.decision
+    if decision is None:
+        return text + ", not measured yet"
+    links = decision["measurements"]["links"]
+    measured = "; ".join(f"boundary {b}: {link['forward']['bandwidth_mbit_s']:.3g}/{link['backward']['bandwidth_mbit_s']:.3g} "
+                         f"Mbit/s forward/backward, {link['forward']['rtt_ms']:.3g} ms RTT" for b, link in enumerate(links))
+    return (f"{text} from measured links ({measured}) and {decision['budget_seconds'] * 1e3:.1f} ms of compute per "
+            "micro-batch")
+
+
 def _summary(plan: Plan, config: dict | None, adapter: dict | None) -> str:
     what = "A LoRA adapter" if adapter else "A causal language model"
     family = f" ({config['model_type']})" if config and "model_type" in config else ""
     replicas = f" x {plan.data_parallel} data-parallel replicas" if plan.data_parallel > 1 else ""
-    return (f"{what}{family} fine-tuned with hf-actcomp: split into "
-            f"{plan.num_stages} pipeline stages{replicas}, with activations sent between stages as "
-            f"`{plan.forward.describe()}` and activation gradients as `{plan.backward.describe()}`.")
+    if plan.per_boundary:
+        sent = "with a codec chosen per boundary (below)"
+    else:
+        sent = (f"with activations sent between stages as `{plan.forward.describe()}` and activation gradients "
+                f"as `{plan.backward.describe()}`")
+    return f"{what}{family} fine-tuned with hf-actcomp: split into {plan.num_stages} pipeline stages{replicas}, {sent}."
 
 
 def _plan_table(plan: Plan, blocks: list | None) -> str:
@@ -305,7 +333,13 @@ def _plan_table(plan: Plan, blocks: list | None) -> str:
         ("micro-batches, schedule", f"{plan.micro_batches}, {plan.schedule}"),
         ("forward (activations)", f"`{plan.forward.describe()}`"),
         ("backward (activation gradients)", f"`{plan.backward.describe()}`")]
-    if plan.forward.method == "aqsgd":
+    if plan.per_boundary:
+        rows[2:] = [row for b in range(plan.num_stages - 1) for row in (
+            (f"boundary {b} forward", f"`{plan.forward_at(b).describe()}`"),
+            (f"boundary {b} backward", f"`{plan.backward_at(b).describe()}`"))]
+    if plan.autotune is not None:
+        rows.append(("codecs chosen by", _describe_auto(plan)))
+    if plan.uses_aqsgd:
         m = plan.memory
         rows.append(("AQ-SGD memory", f"{m.num_samples} samples, {m.dtype}, on {m.store}"))
     if plan.diloco is not None:
@@ -384,12 +418,13 @@ def _usage(plan: Plan, repo: str, adapter: bool, metrics: dict) -> tuple[str, st
     load = (f'from peft import AutoPeftModelForCausalLM\n\nmodel = AutoPeftModelForCausalLM.from_pretrained("{repo}")'
             if adapter else
             f'from transformers import AutoModelForCausalLM\n\nmodel = AutoModelForCausalLM.from_pretrained("{repo}")')
-    if plan.forward.method == "none" or plan.num_stages == 1:
+    forwards = {plan.forward_at(b).describe() for b in range(max(plan.num_stages - 1, 1))}
+    if forwards == {"none"} or plan.num_stages == 1:
         return load, None
     usage = (load + "\n\n# As trained: the same stage boundaries, compressed (the plan saved with the model)\n"
              "import hf_actcomp\nwith hf_actcomp.compressed_inference(model) as inf:\n"
              "    out = inf.generate(input_ids, max_new_tokens=20)")
-    note = (f"The model was trained with `{plan.forward.describe()}` activations between stages. Plain "
+    note = (f"The model was trained with `{'`, `'.join(sorted(forwards))}` activations between stages. Plain "
             "`from_pretrained` runs it without compression; `compressed_inference` runs it with the codec it "
             "was trained with (models trained with TopK can need it).")
     if metrics.get("eval_loss") is not None and metrics.get("eval_plain_loss") is not None:

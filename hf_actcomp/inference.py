@@ -38,7 +38,7 @@ class CompressedInference:
         self.ranges = stage_ranges(adapter, plan)
         blocks = adapter.blocks()
         # Only the stateless inference codec of each boundary: no training state is touched.
-        self.boundaries = {f"boundary{i}.forward": Boundary(f"boundary{i}.forward", plan.forward, sender=False,
+        self.boundaries = {f"boundary{i}.forward": Boundary(f"boundary{i}.forward", plan.forward_at(i), sender=False,
                                                              receiver=False) for i in range(len(self.ranges) - 1)}
         self._handles = []
         for boundary, r in zip(self.boundaries.values(), self.ranges, strict=False):

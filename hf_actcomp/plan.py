@@ -326,6 +326,46 @@ class DiLoCoConfig:
         return f"diloco-H{self.sync_every}-{codec}"
 
 
+AUTO_QUALITY = ("safe", "fast")
+
+
+@dataclass(frozen=True)
+class AutoConfig:
+    """`Plan.auto(...)`: the codecs of each boundary direction chosen from measurements.
+
+    Args:
+        quality: which measured settings may be picked (docs/quality.md): `"safe"` those within
+            0.3% of uncompressed fine-tuning's eval loss in every seed, `"fast"` those within 1%
+            (median over seeds).
+        aqsgd: pick AQ-SGD for activations (needs `memory.num_samples` and a `sample_id` in
+            every training batch; `ActCompTrainer` fills both); else stateless quantization.
+        adapt_every: re-measure every N optimizer steps and switch a boundary's codec when the
+            choice changes (None: measure once, at the first step; keeps runs reproducible).
+        headroom: the share of the busiest stage's compute per micro-batch a transfer may take.
+        probe_repeats: transfers and compute runs timed per measurement (the median is kept).
+        decision: what was measured and chosen (filled by the pipeline; saved with the plan).
+    """
+
+    quality: str = "safe"
+    aqsgd: bool = False
+    adapt_every: int | None = None
+    headroom: float = 1.0
+    probe_repeats: int = 3
+    decision: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("Plan.auto", "quality", self.quality, AUTO_QUALITY)
+        if not isinstance(self.aqsgd, bool):
+            raise ValueError(f"Plan.auto aqsgd={self.aqsgd!r} must be True or False.")
+        every = self.adapt_every
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+            raise ValueError(f"Plan.auto adapt_every={every!r} must be an integer >= 1 (optimizer steps), or None.")
+        if not isinstance(self.headroom, int | float) or not 0 < self.headroom <= 10:
+            raise ValueError(f"Plan.auto headroom={self.headroom!r} must be a number in (0, 10].")
+        if not isinstance(self.probe_repeats, int) or not 1 <= self.probe_repeats <= 100:
+            raise ValueError(f"Plan.auto probe_repeats={self.probe_repeats!r} must be an integer in 1..100.")
+
+
 @dataclass
 class Plan:
     """How a model is split into pipeline stages and what crosses each stage boundary.
@@ -355,6 +395,14 @@ class Plan:
             of the first stage's copy (corrected by the next step's delta) and gradient rows
             with error feedback, through any stateless codec (not `aqsgd`; `feedback` is not used).
             Applies to `prepare()` and `simulate()`; no effect without a tie across stages.
+        boundaries: per-boundary overrides of `forward` / `backward`: a list of num_stages - 1
+            entries (boundary b joins stage b and b + 1), each None (the plan's own) or a dict
+            with `"forward"` and/or `"backward"`, e.g. `[None, {"forward": Compression("quantize",
+            bits=4)}]` to compress only the second boundary's activations harder (a slow link
+            there). `Plan.auto` fills it from measurements. Read them with `forward_at(b)` /
+            `backward_at(b)`.
+        autotune: set by `Plan.auto(...)`: the pipeline measures each link and the compute at
+            its first step and fills `boundaries` (`AutoConfig`).
     """
 
     num_stages: int = 2
@@ -367,6 +415,32 @@ class Plan:
     data_parallel: int = 1
     dp_compression: str | dict[str, Any] = "allreduce"
     tie_compression: Compression | None = None
+    boundaries: list[dict[str, Compression] | None] | None = None
+    autotune: AutoConfig | None = None
+
+    @classmethod
+    def auto(cls, num_stages: int = 2, micro_batches: int | None = None, *, quality: str = "safe",
+             aqsgd: bool = False, adapt_every: int | None = None, headroom: float = 1.0, probe_repeats: int = 3,
+             **plan_kwargs: Any) -> Plan:
+        """A plan whose boundary codecs the pipeline picks itself: at the first training step it
+        measures each boundary's bandwidth and round trip in each direction (probe transfers over
+        the real process group, counted under `probe`) and each stage's compute per micro-batch,
+        then, per boundary and direction, picks the least compression whose transfer stays within
+        the compute it can hide behind, among the settings `quality` allows (`AutoConfig`; the
+        rule and the measured settings are in docs/auto.md). Rank 0 decides, every rank applies
+        it; the decision goes to the logs, `stats()["auto"]`, the saved plan and the card.
+
+            plan = Plan.auto(num_stages=2, micro_batches=4, quality="safe")
+
+        Other keywords are `Plan`'s (`schedule`, `memory`, `data_parallel`, `tie_compression`, ...);
+        `forward`, `backward` and `boundaries` are what it chooses, so they are refused.
+        """
+        chosen = sorted(k for k in ("forward", "backward", "boundaries") if k in plan_kwargs)
+        if chosen:
+            raise ValueError(f"Plan.auto chooses {', '.join(chosen)} itself; drop them, or build Plan(...) by hand.")
+        config = AutoConfig(quality=quality, aqsgd=aqsgd, adapt_every=adapt_every, headroom=headroom,
+                            probe_repeats=probe_repeats)
+        return cls(num_stages=num_stages, micro_batches=micro_batches, autotune=config, **plan_kwargs)
 
     def __post_init__(self) -> None:
         if isinstance(self.forward, dict):
@@ -377,6 +451,10 @@ class Plan:
             self.memory = MemoryConfig(**self.memory)
         if isinstance(self.tie_compression, dict):
             self.tie_compression = Compression(**self.tie_compression)
+        if isinstance(self.autotune, dict):
+            self.autotune = AutoConfig(**self.autotune)
+        if self.autotune is not None and not isinstance(self.autotune, AutoConfig):
+            raise TypeError(f"Plan.autotune must be an AutoConfig (use Plan.auto(...)), got {type(self.autotune).__name__}.")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"Plan.num_stages={self.num_stages!r} must be an integer >= 1.")
         if self.micro_batches is None:
@@ -416,17 +494,46 @@ class Plan:
         from .dp.base import available_hooks
 
         _check_choice("Plan", "dp_compression", method, [*available_hooks(), DILOCO])
-        if self.backward.method == "aqsgd":
-            raise ValueError(
-                "Plan.backward.method='aqsgd' is not supported: AQ-SGD compresses activations; "
-                "gradients are quantized directly. Use method='quantize' for backward."
-            )
+        self.boundaries = _check_boundaries(self.boundaries, self.num_stages)
+        for b, backward in enumerate(self.backward_at(b) for b in range(max(self.num_stages - 1, 1))):
+            if backward.method == "aqsgd":
+                where = "Plan.backward" if backward is self.backward else f"Plan.boundaries[{b}]['backward']"
+                raise ValueError(
+                    f"{where}.method='aqsgd' is not supported: AQ-SGD compresses activations; "
+                    "gradients are quantized directly. Use method='quantize' for backward."
+                )
         _check_tie_compression(self.tie_compression)
+
+    # ----------------------------------------------------------------------------- boundaries
+    def forward_at(self, boundary: int) -> Compression:
+        """The compression of boundary `boundary`'s activations (its override, else `forward`)."""
+        return self._at(boundary, "forward")
+
+    def backward_at(self, boundary: int) -> Compression:
+        """The compression of boundary `boundary`'s activation gradients (its override, else `backward`)."""
+        return self._at(boundary, "backward")
+
+    def _at(self, boundary: int, direction: str) -> Compression:
+        override = self.boundaries[boundary] if self.boundaries is not None else None
+        return (override or {}).get(direction) or getattr(self, direction)
+
+    @property
+    def per_boundary(self) -> bool:
+        """Whether some boundary has a codec of its own."""
+        return any(self.boundaries or [])
+
+    @property
+    def uses_aqsgd(self) -> bool:
+        """Whether some boundary's activations go through AQ-SGD (training batches then need
+        `sample_id`, and the memory its size)."""
+        if self.autotune is not None and self.autotune.aqsgd:
+            return True
+        return any(self.forward_at(b).method == "aqsgd" for b in range(max(self.num_stages - 1, 1)))
 
     def check_memory(self) -> None:
         """Fail before training when AQ-SGD's memory size is unknown (`ActCompTrainer` fills it
         from the training set; `simulate` and `prepare` need it set)."""
-        if self.forward.method == "aqsgd" and self.memory.num_samples is None:
+        if self.uses_aqsgd and self.memory.num_samples is None:
             raise ValueError(
                 "Plan.forward.method='aqsgd' needs memory.num_samples (len(train_dataset)): AQ-SGD keeps one "
                 "activation per training sample. Set MemoryConfig(num_samples=len(train_dataset)), or train "
@@ -491,9 +598,15 @@ class Plan:
             )
         kwargs = _known_fields(cls, data, "Plan")
         for key, sub in (("forward", Compression), ("backward", Compression), ("memory", MemoryConfig),
-                         ("tie_compression", Compression)):
+                         ("tie_compression", Compression), ("autotune", AutoConfig)):
             if isinstance(kwargs.get(key), dict):
                 kwargs[key] = sub(**_known_fields(sub, kwargs[key], f"Plan.{key}"))
+        if isinstance(kwargs.get("boundaries"), list):
+            kwargs["boundaries"] = [
+                None if entry is None else
+                {d: Compression(**_known_fields(Compression, c, f"Plan.boundaries[{b}].{d}")) if isinstance(c, dict)
+                 else c for d, c in entry.items()}
+                for b, entry in enumerate(kwargs["boundaries"])]
         return cls(**kwargs)
 
     def to_json_string(self) -> str:
@@ -552,6 +665,34 @@ class Plan:
                     f"has no such file ({type(err).__name__})."
                 ) from err
         return cls.from_json_string(open(path, encoding="utf-8").read())
+
+
+def _check_boundaries(value: Any, num_stages: int) -> list[dict[str, Compression] | None] | None:
+    """`Plan.boundaries`, checked: None, or num_stages - 1 entries of None or {"forward"/"backward":
+    Compression (or its dict)}; all-None lists become None."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != num_stages - 1:
+        raise ValueError(f"Plan.boundaries={value!r} must be a list of num_stages - 1 = {num_stages - 1} entries "
+                         "(one per boundary: None or a dict with 'forward' and/or 'backward').")
+    out: list[dict[str, Compression] | None] = []
+    for b, entry in enumerate(value):
+        if entry is None:
+            out.append(None)
+            continue
+        if not isinstance(entry, dict) or not set(entry) <= {"forward", "backward"}:
+            raise ValueError(f"Plan.boundaries[{b}]={entry!r} must be None or a dict with the keys 'forward' "
+                             "and/or 'backward'.")
+        checked = {}
+        for direction, compression in entry.items():
+            if isinstance(compression, dict):
+                compression = Compression(**compression)
+            if not isinstance(compression, Compression):
+                raise TypeError(f"Plan.boundaries[{b}][{direction!r}] must be a Compression (or its dict), got "
+                                f"{type(compression).__name__}.")
+            checked[direction] = compression
+        out.append(checked or None)
+    return out if any(out) else None
 
 
 def _check_tie_compression(value: Any) -> None:

@@ -93,6 +93,11 @@ class SimulatedPipeline(nn.Module):
 
     def __init__(self, model: nn.Module, plan: Plan) -> None:
         super().__init__()
+        if plan.autotune is not None and plan.autotune.decision is None:
+            raise ValueError(
+                "Plan.auto measures the links between the processes of a pipeline at its first step; in one "
+                "process there is no link to measure. Run with one process per stage (prepare()), see what it "
+                "would choose with `hf-actcomp estimate --auto`, or give a fixed Plan(...).")
         self.model = model
         self.plan = plan
         self.adapter = get_adapter(model)
@@ -108,7 +113,8 @@ class SimulatedPipeline(nn.Module):
         # Both ends of every boundary direction live here: `boundary{b}.forward` / `.backward`.
         self.boundaries: dict[str, Boundary] = {}
         for b in range(last):
-            for name, compression, memory in (("forward", plan.forward, plan.memory), ("backward", plan.backward, None)):
+            for name, compression, memory in (("forward", plan.forward_at(b), plan.memory),
+                                              ("backward", plan.backward_at(b), None)):
                 self.boundaries[f"boundary{b}.{name}"] = Boundary(f"boundary{b}.{name}", compression, memory,
                                                                   track_error=False)
         # The compressed tie (Plan.tie_compression): the first stage's input embedding module.

@@ -100,7 +100,7 @@ class ActCompTrainer(Trainer):
                              "model it is given).")
         args = args if args is not None else TrainingArguments(output_dir="trainer_output")
         _check_arguments(args, plan, kwargs)
-        aqsgd = plan.forward.method == "aqsgd"
+        aqsgd = plan.uses_aqsgd
         train_dataset = kwargs.get("train_dataset")
         if aqsgd and train_dataset is not None:
             kwargs["train_dataset"] = train_dataset = _with_sample_ids(train_dataset)

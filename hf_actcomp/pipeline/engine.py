@@ -11,7 +11,9 @@ reads the same batch; only the first stage uses `input_ids` and only the last `l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -21,6 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import checkpoint
+from ..auto import describe as describe_decision
+from ..auto import plan_boundaries
 from ..batching import MicroBatch, check_batch, count_label_tokens, split_batch
 from ..boundary import Boundary, NonFiniteError
 from ..checkpoint import CompressionState, model_fingerprint
@@ -40,6 +44,7 @@ from .gradsync import GradientSync, TiedEmbedding
 from .link import NEXT_TOKENS_TAG, StageLink
 from .loading import load_stage_model
 from .mesh import build_mesh, check_world_size
+from .probe import agree, measure_links, timed_median
 from .schedule import stage_actions
 from .transport import Transport
 
@@ -130,19 +135,20 @@ class Pipeline(nn.Module):
         # The ends of the two boundaries this stage touches (boundary b joins stage b and b+1).
         # With data parallelism, AQ-SGD memory holds only this replica's shard of the samples.
         self.sample_range = None
-        if plan.forward.method == "aqsgd" and self.mesh.num_replicas > 1:
+        if plan.uses_aqsgd and self.mesh.num_replicas > 1:
             self.sample_range = replica_sample_range(plan.memory.num_samples, self.mesh.num_replicas,
                                                      self.mesh.replica)
         self.forward_in = self.backward_out = self.forward_out = self.backward_in = None
-        if s > 0:
-            self.forward_in = Boundary(f"boundary{s - 1}.forward", plan.forward, plan.memory, sender=False,
-                                       sample_range=self.sample_range)
-            self.backward_out = Boundary(f"boundary{s - 1}.backward", plan.backward, receiver=False,
-                                         track_error=track_error)
-        if s < last:
-            self.forward_out = Boundary(f"boundary{s}.forward", plan.forward, plan.memory, receiver=False,
-                                        track_error=track_error, sample_range=self.sample_range)
-            self.backward_in = Boundary(f"boundary{s}.backward", plan.backward, sender=False)
+        self._track_error = track_error
+        self._build_boundaries(plan)
+        # Plan.auto: measured and chosen at the first step (and every `adapt_every` optimizer steps).
+        self.auto_switches: list[dict] = []
+        self._optimizer_steps = 0
+        self._at_optimizer_step = True
+        self._decided_at = 0
+        self.seconds_probing = 0.0
+        if plan.autotune is not None:
+            self.traffic["probe"] = TrafficCounter()
         # MoE with output_router_logits: the load-balancing loss's statistics ride along with the
         # activations (forward) and its gradient with the activation gradients (backward).
         self.router = RouterLoss(model, self.stage) if router_spec(model) is not None else None
@@ -159,12 +165,7 @@ class Pipeline(nn.Module):
                                   self.traffic["collectives"])
         self.outer = self._outer_sync() if plan.diloco is not None else None
         self.data_parallel = self.dp_compressor or self.outer  # what talks between replicas, if anything
-        r = ranges[s]
-        self.compression = CompressionState(
-            {**self.boundaries, "tie": self.tie, "data_parallel": self.data_parallel},
-            rank=self.replica * self.mesh.num_stages + s,  # the rank in a launch of every replica
-            metadata={"plan": plan.to_dict(), "world_size": plan.world_size, "stage": s, "blocks": [r.start, r.stop],
-                      "model": model_fingerprint(self.config)})
+        self.compression = self._compression_state()
         self.weights = StageWeights(self.stage, self.mesh, self.group, self.tied_pairs, self.peft_model)
         self._sync = True
         # This stage's own timers; the transport and the gradient sync keep theirs (waiting on
@@ -200,6 +201,42 @@ class Pipeline(nn.Module):
         """The boundary ends this rank holds, by name (`boundary0.forward`, ...)."""
         ends = (self.forward_in, self.backward_out, self.forward_out, self.backward_in)
         return {b.name: b for b in ends if b is not None}
+
+    def _build_boundaries(self, plan: Plan, previous: dict[str, Boundary] | None = None) -> None:
+        """The ends of the two boundaries this stage touches (boundary b joins stage b and b+1),
+        with `plan`'s codecs. With `previous` (a switch by Plan.auto), an end whose codec did not
+        change is kept as it is; a new one keeps its counters, and AQ-SGD memory moves over when
+        both codecs are AQ-SGD (only its bit width changed); entering AQ-SGD starts a fresh one."""
+        s, last = self.mesh.stage, self.mesh.num_stages - 1
+        ends = {}
+        if s > 0:
+            ends["forward_in"] = (s - 1, "forward", dict(sender=False, sample_range=self.sample_range))
+            ends["backward_out"] = (s - 1, "backward", dict(receiver=False, track_error=self._track_error))
+        if s < last:
+            ends["forward_out"] = (s, "forward", dict(receiver=False, track_error=self._track_error,
+                                                     sample_range=self.sample_range))
+            ends["backward_in"] = (s, "backward", dict(sender=False))
+        for key, (b, direction, kwargs) in ends.items():
+            name = f"boundary{b}.{direction}"
+            compression = plan.forward_at(b) if direction == "forward" else plan.backward_at(b)
+            old = (previous or {}).get(name)
+            if old is not None and old.compression == compression:
+                setattr(self, key, old)
+                continue
+            end = Boundary(name, compression, plan.memory if direction == "forward" else None, **kwargs)
+            if old is not None:
+                end.stats = old.stats
+                if old.compression.method == compression.method == "aqsgd":
+                    end.adopt_memory(old)
+            setattr(self, key, end)
+
+    def _compression_state(self) -> CompressionState:
+        r, s = self.ranges[self.stage_index], self.stage_index
+        return CompressionState(
+            {**self.boundaries, "tie": self.tie, "data_parallel": self.data_parallel},
+            rank=self.replica * self.mesh.num_stages + s,  # the rank in a launch of every replica
+            metadata={"plan": self.plan.to_dict(), "world_size": self.plan.world_size, "stage": s,
+                      "blocks": [r.start, r.stop], "model": model_fingerprint(self.config)})
 
     def _stage_links(self) -> dict[str, StageLink]:
         """The wire format of each boundary direction this rank touches: `forward_in`,
@@ -269,8 +306,10 @@ class Pipeline(nn.Module):
             raise RuntimeError("Plan.dp_compression='diloco' steps the replicas together after every sync_every steps "
                                "of the inner optimizer: call pipe.attach_optimizer(optimizer) once before training.")
         self.stage.train()
-        start = time.perf_counter()
         micro = split_batch(batch, self.plan.micro_batches, self.device)
+        if self._auto_due():
+            self._auto_select(micro)
+        start = time.perf_counter()
         num_tokens = count_label_tokens(batch["labels"])
         normaliser = self._loss_normaliser(num_tokens, num_items_in_batch)
         self._post_receives(micro, training=True)
@@ -291,12 +330,95 @@ class Pipeline(nn.Module):
         if self.tie is not None:
             self.tie.gather_gradient(batch["input_ids"])
         self.transport.flush()
-        if self._sync if sync is None else sync:
+        self._at_optimizer_step = self._sync if sync is None else sync
+        if self._at_optimizer_step:
             self.grads.average_over_replicas()
+            self._optimizer_steps += 1
         loss = self._broadcast_loss(self._mean_over_replicas(total))
         self.seconds_step += time.perf_counter() - start
         self.steps += 1
         return StepOutput(loss=loss, num_tokens=num_tokens)
+
+    # ------------------------------------------------------------------------- Plan.auto
+    def _auto_due(self) -> bool:
+        """Measure and choose now: at the first step of an undecided `Plan.auto`, and every
+        `adapt_every` optimizer steps after (only between optimizer steps)."""
+        config = self.plan.autotune
+        if config is None:
+            return False
+        if config.decision is None:
+            return True
+        return (config.adapt_every is not None and self._at_optimizer_step
+                and self._optimizer_steps - self._decided_at >= config.adapt_every)
+
+    def _auto_select(self, micro: list[MicroBatch]) -> None:
+        """Measure the compute and the links, agree on the codecs (rank 0 decides), apply them."""
+        config = self.plan.autotune
+        start = time.perf_counter()
+        shape = self._shape(micro[0])  # the largest micro-batch (tensor_split puts extra rows first)
+        nbytes = math.prod(shape) * torch.empty((), dtype=self.boundary_dtype).element_size()
+        compute = self._measure_compute(micro[0], config.probe_repeats)
+        counter = self.traffic["probe"]
+        links = measure_links(self.transport, self.mesh, self.device, nbytes, config.probe_repeats, counter)
+        decision = agree(config, self.mesh, compute, links, shape, self.boundary_dtype, self.device, counter)
+        decision["optimizer_step"] = self._optimizer_steps
+        self._apply_decision(decision)
+        self.seconds_probing += time.perf_counter() - start
+
+    def _measure_compute(self, mb: MicroBatch, repeats: int) -> float:
+        """Seconds of this stage's forward and backward of one micro-batch (the median of
+        `repeats` runs on stand-in inputs of its shape), leaving gradients and random state as
+        they were: a run that keeps its codecs is the run it would have been."""
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+
+        def run() -> None:
+            x = mb.input_ids if self.is_first else torch.randn(
+                self._shape(mb), dtype=self.boundary_dtype, device=self.device, requires_grad=True)
+            with self._autocast():
+                out = self.stage(x, mb.attention_mask)
+                loss = self._loss(out, mb.labels, None) if self.is_last else out.float().sum()
+            loss.backward()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            for p in params:
+                p.grad = None
+
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                return timed_median(run, repeats)
+        finally:
+            for p, grad in zip(params, saved, strict=True):
+                p.grad = grad
+
+    def _apply_decision(self, decision: dict, why: str = "measured") -> None:
+        """Switch to the codecs `decision` chose (where they differ), log what changed."""
+        previous = self.boundaries
+        plan = dataclasses.replace(self.plan, boundaries=plan_boundaries(decision),
+                                   autotune=dataclasses.replace(self.plan.autotune, decision=decision))
+        self._build_boundaries(plan, previous)
+        self.plan = plan
+        self.links = self._stage_links()
+        self.compression = self._compression_state()
+        self._decided_at = self._optimizer_steps
+        if self.mesh.rank == 0:
+            logger.info("%s", describe_decision(decision))
+        if self._optimizer_steps == 0:
+            return  # the first choice, before any training: nothing is switched
+        for name, old in previous.items():
+            new = self.boundaries[name].compression
+            if new == old.compression:
+                continue
+            memory = ("AQ-SGD memory kept" if old.compression.method == new.method == "aqsgd"
+                      else "AQ-SGD memory started empty" if new.method == "aqsgd" else "")
+            self.auto_switches.append({"optimizer_step": self._optimizer_steps, "channel": name,
+                                       "from": old.compression.describe(), "to": new.describe(), "memory": memory,
+                                       "why": why})
+            logger.info("Plan.auto: %s switched from %s to %s at optimizer step %d%s", name,
+                        old.compression.describe(), new.describe(), self._optimizer_steps,
+                        f" ({memory})" if memory else "")
 
     @torch.no_grad()
     def eval_step(self, batch: dict[str, torch.Tensor], *, compress: bool = True) -> StepOutput:
@@ -604,6 +726,8 @@ class Pipeline(nn.Module):
         summary["stages"] = {part["stage"]: part["timing"] for part in parts}
         if self.data_parallel is not None:
             summary["data_parallel"] = self.data_parallel.stats()
+        if self.plan.autotune is not None:
+            summary["auto"] = {"decision": self.plan.autotune.decision, "switches": list(self.auto_switches)}
         return summary
 
     def _local_counters(self) -> dict:
@@ -619,6 +743,8 @@ class Pipeline(nn.Module):
         }
         if self.outer is not None:  # DiLoCo's syncs run inside optimizer.step(), outside seconds_step
             timing["seconds_outer_sync"] = self.outer.seconds
+        if self.plan.autotune is not None:  # Plan.auto's measurements, outside seconds_step
+            timing["seconds_probing"] = self.seconds_probing
         # Counted where sent: the sending ends of this rank's boundaries.
         channels = {b.name: b.stats for b in (self.forward_out, self.backward_out) if b is not None}
         return {"stage": self.stage_index, "channels": channels, "traffic": traffic, "timing": timing}
@@ -653,7 +779,12 @@ class Pipeline(nn.Module):
         self.compression.save(directory, max_shard_size)
 
     def load_compression_state(self, directory: str | os.PathLike) -> None:
-        """Read this rank's state saved by `save_compression_state` under the same plan."""
+        """Read this rank's state saved by `save_compression_state` under the same plan. Under
+        `Plan.auto`, the codecs chosen when it was saved are taken back first (the state is theirs)."""
+        if self.plan.autotune is not None:
+            saved = Plan.from_dict(checkpoint.saved_metadata(directory, self.compression.rank)["plan"])
+            if saved.autotune is not None and saved.autotune.decision is not None:
+                self._apply_decision(saved.autotune.decision, why="resumed")
         self.compression.load(directory)
 
     def register_for_checkpointing(self, accelerator) -> None:
@@ -721,7 +852,7 @@ class Pipeline(nn.Module):
         self.weights.load(directory)
 
 
-def prepare(model: nn.Module | str | os.PathLike, plan: Plan, *, device: torch.device | str | None = None,
+def prepare(model: nn.Module | str | os.PathLike, plan: Plan | str, *, device: torch.device | str | None = None,
             timeout: float = DEFAULT_TIMEOUT, autocast_dtype: torch.dtype | None = None,
             track_error: bool = True, torch_dtype: torch.dtype | None = None,
             activation_checkpointing: bool = False) -> Pipeline:
@@ -738,7 +869,16 @@ def prepare(model: nn.Module | str | os.PathLike, plan: Plan, *, device: torch.d
         torch_dtype: the dtype a checkpoint's floating-point weights are loaded in.
         activation_checkpointing: recompute each block's activations in the backward instead of
             keeping them (transformers' own per-layer checkpointing, inside the stage); same numbers.
+
+    `plan="auto"` is `Plan.auto(num_stages=world size)`: the codecs chosen from measured links.
     """
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ValueError(f"plan={plan!r}: give a hf_actcomp.Plan, or 'auto' (Plan.auto with one stage per process).")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("prepare(model, 'auto') needs torch.distributed to be initialised first (one stage "
+                               "per process).")
+        plan = Plan.auto(num_stages=dist.get_world_size())
     if isinstance(model, (str, os.PathLike)):
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a hf_actcomp.Plan, got {type(plan).__name__}.")

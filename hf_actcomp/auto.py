@@ -1,0 +1,165 @@
+"""`Plan.auto`: each boundary direction's codec, chosen from its measured link and the compute.
+
+The rule. With communication overlapped with compute, every micro-batch puts one payload on each
+direction of each boundary while the busiest stage computes that micro-batch's forward and
+backward. A direction's transfer is hidden when it takes no longer than that compute, so per
+boundary and direction the choice is the least compression of the ladder whose transfer time per
+micro-batch (half the round trip + payload / bandwidth) stays within `headroom` x the busiest
+stage's compute per micro-batch. More compression than that buys no speed, only quality cost.
+When no rung fits, the link bounds the step whatever is chosen: the least compression whose
+transfer is within 5% of the strongest rung's (on a link where the round trip dominates, that is
+a weak codec, since bytes hardly matter there).
+
+The ladders hold only settings whose quality cost docs/quality.md has measured (fine-tuning a
+pre-trained GPT-2-style model, 3 seeds; `MEASURED` names the rows). A forward rung and a backward
+rung combine into a pair no stronger in either direction than the ladder's last rungs, which form
+a measured pair within the quality level; tests/test_auto.py checks that against the results
+files.
+
+Everything here is arithmetic on measurements (no process group): `choose` is what the pipeline
+runs on rank 0, and what `hf-actcomp estimate --auto` runs on link speeds you give it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .feedback import build_codec
+from .plan import AutoConfig, Compression
+
+NONE = Compression()
+WARM_UP = Compression("hadamard", bits=4)  # AQ-SGD first visits (docs/quality.md, compressed warm-up)
+
+
+def _quantize(bits: int) -> Compression:
+    return Compression("quantize", bits=bits)
+
+
+def _aqsgd(bits: int) -> Compression:
+    return Compression("aqsgd", bits=bits, first_visit=WARM_UP)
+
+
+# Least to most compression. Quality levels (AutoConfig.quality): "safe" = within 0.3% of `none`
+# in every seed, "fast" = within 1% in the median. The strongest pair of each ladder is a measured
+# row (MEASURED); nothing stronger than it was measured within 1% (direct fw2/bw4: +1.11% median),
+# so on this evidence both levels pick from the same rungs.
+LADDERS: dict[tuple[str, bool], dict[str, list[Compression]]] = {}
+for _quality in ("safe", "fast"):
+    LADDERS[(_quality, False)] = {"forward": [NONE, _quantize(8), _quantize(4), _quantize(3)],
+                                  "backward": [NONE, _quantize(8), _quantize(6)]}
+    LADDERS[(_quality, True)] = {"forward": [NONE, _aqsgd(4), _aqsgd(2)],
+                                 "backward": [NONE, _quantize(8), _quantize(6), _quantize(4)]}
+
+# The results file (benchmarks/results/) whose summary measured each ladder's strongest pair:
+# direct fw3/bw6 (+0.22% median, +0.28% worst seed) and AQ-SGD fw2/bw4 with the Hadamard-4
+# warm-up (+0.17%, +0.21%).
+MEASURED = {False: "finetune_quality", True: "finetune_quality_tie_warmup"}
+THRESHOLDS = {"safe": ("worst", 0.3), "fast": ("median", 1.0)}  # percent over `none`, by seed
+NO_GAIN = 1.05  # when nothing fits: rungs within 5% of the strongest's transfer time are as fast
+
+
+def ladder(config: AutoConfig, direction: str) -> list[Compression]:
+    """The rungs `config` may pick for `direction` ("forward" / "backward"), least compression first."""
+    return LADDERS[(config.quality, config.aqsgd)][direction]
+
+
+@dataclass
+class Link:
+    """One direction of one boundary, as measured: bytes per second and round trip in seconds."""
+
+    bandwidth: float
+    rtt: float
+
+    def seconds(self, nbytes: int) -> float:
+        """One payload's transfer: half a round trip, then the bytes at the bandwidth."""
+        return self.rtt / 2 + nbytes / self.bandwidth
+
+
+@dataclass
+class Measurements:
+    """What `choose` decides on.
+
+    Args:
+        compute: seconds per micro-batch (forward + backward) of each stage.
+        links: per boundary, its `forward` and `backward` `Link`.
+        payload_shape: one micro-batch's boundary tensor, (rows, tokens, hidden).
+        dtype: what crosses a boundary uncompressed.
+    """
+
+    compute: list[float]
+    links: list[dict[str, Link]]
+    payload_shape: tuple[int, int, int]
+    dtype: torch.dtype = torch.float32
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"compute_seconds_per_micro_batch": list(self.compute),
+                "links": [{d: {"bandwidth_mbit_s": link.bandwidth * 8 / 1e6, "rtt_ms": link.rtt * 1e3}
+                           for d, link in links.items()} for links in self.links],
+                "payload_shape": list(self.payload_shape), "dtype": str(self.dtype).removeprefix("torch."),
+                **self.extra}
+
+
+def payload_nbytes(compression: Compression, shape: tuple[int, int, int], dtype: torch.dtype) -> int:
+    """Bytes of one micro-batch's payload through `compression` (AQ-SGD: its steady state, the
+    inner codec on deltas; first visits go through the warm-up codec)."""
+    return build_codec(compression).payload_nbytes(shape, dtype)
+
+
+def choose_direction(rungs: list[Compression], link: Link, budget: float, shape, dtype) -> dict[str, Any]:
+    """The rung for one direction: the least compression whose transfer fits `budget` seconds;
+    when none does, the least compression within `NO_GAIN` of the strongest's transfer time."""
+    options = [(c, payload_nbytes(c, shape, dtype)) for c in rungs]
+    times = [link.seconds(n) for _, n in options]
+    fitting = [i for i, t in enumerate(times) if t <= budget]
+    if fitting:
+        pick, why = fitting[0], "least compression whose transfer hides behind compute"
+    else:
+        pick = next(i for i, t in enumerate(times) if t <= NO_GAIN * times[-1])
+        why = ("no rung hides behind compute: the link bounds the step; least compression within "
+               f"{round((NO_GAIN - 1) * 100)}% of the fastest transfer")
+    compression, nbytes = options[pick]
+    return {"compression": asdict(compression), "codec": compression.describe(), "bytes": nbytes,
+            "transfer_seconds": times[pick], "uncompressed_transfer_seconds": times[0], "fits": bool(fitting),
+            "why": why}
+
+
+def choose(measured: Measurements, config: AutoConfig) -> dict[str, Any]:
+    """Per boundary and direction, the rung `config` allows whose transfer stays within the
+    compute it can hide behind (module docstring). Returns the decision, JSON-ready: `boundaries`
+    (per boundary, per direction: the `Compression` as a dict, codec, bytes, transfer seconds,
+    whether it fits), the budget and the measurements (`plan_boundaries` turns it into
+    `Plan.boundaries`)."""
+    if len(measured.compute) != len(measured.links) + 1:
+        raise ValueError(f"{len(measured.compute)} stages need {len(measured.compute) - 1} measured boundaries, "
+                         f"got {len(measured.links)}.")
+    budget = config.headroom * max(measured.compute)
+    boundaries = []
+    for links in measured.links:
+        boundaries.append({d: choose_direction(ladder(config, d), links[d], budget, measured.payload_shape,
+                                               measured.dtype) for d in ("forward", "backward")})
+    return {"quality": config.quality, "aqsgd": config.aqsgd, "budget_seconds": budget,
+            "measurements": measured.to_dict(), "boundaries": boundaries}
+
+
+def plan_boundaries(decision: dict[str, Any]) -> list[dict[str, Compression]]:
+    """`Plan.boundaries` as `decision` chose them."""
+    return [{d: Compression(**entry["compression"]) for d, entry in b.items()} for b in decision["boundaries"]]
+
+
+def describe(decision: dict[str, Any]) -> str:
+    """One line per boundary direction: codec, measured link, transfer vs the compute budget."""
+    lines = [f"Plan.auto (quality {decision['quality']}): compute budget {decision['budget_seconds'] * 1e3:.1f} ms "
+             "per micro-batch (busiest stage)"]
+    links = decision["measurements"]["links"]
+    for b, entry in enumerate(decision["boundaries"]):
+        for d, choice in entry.items():
+            link = links[b][d]
+            lines.append(f"  boundary {b} {d}: {choice['codec']} ({choice['bytes']} B, "
+                         f"{choice['transfer_seconds'] * 1e3:.1f} ms vs {choice['uncompressed_transfer_seconds'] * 1e3:.1f} "
+                         f"ms uncompressed) on {link['bandwidth_mbit_s']:.1f} Mbit/s, {link['rtt_ms']:.1f} ms RTT"
+                         f"{'' if choice['fits'] else ' (link-bound)'}")
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""What `Plan.auto` measures over the real process group, and how every rank agrees on it.
+
+- Links: for each boundary and direction, the sending rank times round trips of a small message
+  and transfers of one micro-batch's uncompressed payload, each answered by an 8-byte reply,
+  through the pipeline's own transport (its own message tag; bytes counted under `probe`). The
+  round trip is the median small exchange; the bandwidth is the payload over the median transfer
+  less one round trip.
+- Decision: every rank's measurements go to global rank 0 (an all-gather of a few numbers), which
+  runs `hf_actcomp.auto.choose` and broadcasts the decision as JSON; every rank applies that.
+
+`HF_ACTCOMP_AUTO_FAKE_LINKS` (a test hook, read on rank 0 only) replaces measured values before
+the choice, e.g. `{"1": {"forward": {"bandwidth_mbit_s": 10}}}` to act as if boundary 1's
+activations crossed a 10 Mbit/s link (`rtt_ms` too), and `{"compute_ms": 10}` every stage's
+compute per micro-batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..auto import Link, Measurements, choose
+from ..plan import AutoConfig
+from ..telemetry import TrafficCounter
+from .mesh import PipelineMesh
+from .transport import Transport
+
+PROBE_TAG = 4  # the transport's slot for probe messages (0 tie, 1 forward, 2 backward, 3 token ids)
+FAKE_LINKS_ENV = "HF_ACTCOMP_AUTO_FAKE_LINKS"
+REPLY_BYTES = 8
+DIRECTIONS = ("forward", "backward")
+
+
+def _exchange(transport: Transport, peer: int, send_bytes: int, device, counter: TrafficCounter, what: str) -> None:
+    transport.send(torch.zeros(send_bytes, dtype=torch.uint8, device=device), peer, tag=PROBE_TAG)
+    counter.add(send_bytes, send_bytes)
+    transport.recv(REPLY_BYTES, peer, device, what, tag=PROBE_TAG)
+
+
+def _answer(transport: Transport, peer: int, recv_bytes: int, device, counter: TrafficCounter, what: str) -> None:
+    transport.recv(recv_bytes, peer, device, what, tag=PROBE_TAG)
+    transport.send(torch.zeros(REPLY_BYTES, dtype=torch.uint8, device=device), peer, tag=PROBE_TAG)
+    counter.add(REPLY_BYTES, REPLY_BYTES)
+
+
+def timed_median(fn, repeats: int) -> float:
+    """The median of `repeats` timed calls, after one untimed call (connection set-up)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_links(transport: Transport, mesh: PipelineMesh, device: torch.device, nbytes: int, repeats: int,
+                  counter: TrafficCounter) -> dict[tuple[int, str], Link]:
+    """The links this rank sends on, measured: {(boundary, direction): Link}. Collective over the
+    pipeline: boundary 0 first, then 1, ... (a stage finishes its boundary before the next)."""
+    found = {}
+    s = mesh.stage
+    for b in (b for b in range(mesh.num_stages - 1) if s in (b, b + 1)):
+        ends = {"forward": (mesh.ranks[b], mesh.ranks[b + 1]), "backward": (mesh.ranks[b + 1], mesh.ranks[b])}
+        for direction, (src, dst) in ends.items():
+            what = f"a probe of boundary {b} {direction}"
+            if mesh.rank == src:
+                rtt = timed_median(lambda dst=dst, what=what: _exchange(transport, dst, REPLY_BYTES, device, counter, what),
+                             repeats)
+                whole = timed_median(lambda dst=dst, what=what: _exchange(transport, dst, nbytes, device, counter, what),
+                               repeats)
+                found[(b, direction)] = Link(bandwidth=nbytes / max(whole - rtt, 1e-9), rtt=rtt)
+            else:
+                for size in [REPLY_BYTES] * (repeats + 1) + [nbytes] * (repeats + 1):
+                    _answer(transport, src, size, device, counter, what)
+    transport.flush()
+    return found
+
+
+def agree(config: AutoConfig, mesh: PipelineMesh, compute: float, links: dict[tuple[int, str], Link],
+          shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
+          counter: TrafficCounter) -> dict:
+    """Every rank's measurements to global rank 0, which decides (`auto.choose`) and broadcasts
+    the decision; returns it on every rank. Collective over the whole job. With replicas, each
+    stage's slowest compute and each link's slowest measurement count."""
+    world = dist.get_world_size()
+    mine = [float(mesh.stage), compute]
+    for key in ((mesh.stage, "forward"), (mesh.stage - 1, "backward")):
+        link = links.get(key)
+        mine += [link.bandwidth, link.rtt] if link is not None else [-1.0, -1.0]
+    local = torch.tensor(mine, dtype=torch.float64, device=device)
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local)
+    counter.add((world - 1) * local.numel() * 8, (world - 1) * local.numel() * 8)  # as a ring all-gather sends
+    if dist.get_rank() == 0:
+        payload = json.dumps(decide(config, mesh.num_stages, [p.tolist() for p in parts], shape, dtype)).encode()
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    else:
+        length = torch.empty(1, dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    data = (torch.tensor(list(payload), dtype=torch.uint8, device=device) if dist.get_rank() == 0
+            else torch.empty(int(length), dtype=torch.uint8, device=device))
+    dist.broadcast(data, src=0)
+    if dist.get_rank() == 0:
+        counter.add((world - 1) * (8 + data.numel()), (world - 1) * (8 + data.numel()))  # as a flat broadcast
+    return json.loads(bytes(data.cpu().tolist()).decode())
+
+
+def decide(config: AutoConfig, num_stages: int, rows: list[list[float]], shape, dtype: torch.dtype) -> dict:
+    """Rank 0: the gathered rows (stage, compute, forward link of its boundary, backward link of
+    the one before) as `Measurements`, the fake-link hook applied, then `choose`."""
+    compute = [0.0] * num_stages
+    links: list[dict[str, Link]] = [{} for _ in range(num_stages - 1)]
+    for stage, seconds, fw_bandwidth, fw_rtt, bw_bandwidth, bw_rtt in rows:
+        s = int(stage)
+        compute[s] = max(compute[s], seconds)
+        for b, direction, bandwidth, rtt in ((s, "forward", fw_bandwidth, fw_rtt),
+                                              (s - 1, "backward", bw_bandwidth, bw_rtt)):
+            if bandwidth < 0:
+                continue
+            old = links[b].get(direction)
+            if old is None or bandwidth < old.bandwidth:
+                links[b][direction] = Link(bandwidth=bandwidth, rtt=max(rtt, old.rtt if old else 0.0))
+    faked = _fake(links, compute)
+    measured = Measurements(compute=compute, links=links, payload_shape=tuple(shape), dtype=dtype,
+                            extra={"faked": faked} if faked else {})
+    return choose(measured, config)
+
+
+def _fake(links: list[dict[str, Link]], compute: list[float]) -> dict:
+    """Apply `HF_ACTCOMP_AUTO_FAKE_LINKS` (test hook) in place; returns what it replaced."""
+    text = os.environ.get(FAKE_LINKS_ENV)
+    if not text:
+        return {}
+    fakes = json.loads(text)
+    if "compute_ms" in fakes:
+        compute[:] = [float(fakes["compute_ms"]) / 1e3] * len(compute)
+    for b, directions in fakes.items():
+        if b == "compute_ms":
+            continue
+        for direction, values in directions.items():
+            link = links[int(b)][direction]
+            if "bandwidth_mbit_s" in values:
+                link.bandwidth = float(values["bandwidth_mbit_s"]) * 1e6 / 8
+            if "rtt_ms" in values:
+                link.rtt = float(values["rtt_ms"]) / 1e3
+    return fakes

@@ -1,0 +1,236 @@
+"""Plan.auto: the choice as a pure function of the measurements (every branch), the ladders
+against the measured quality, the plan and CLI, and on processes: a faked slow boundary gets a
+stronger codec than a fast one, every rank agrees, a run that keeps `none` stays exact until it
+switches, AQ-SGD memory is kept between bit widths, and a resumed run takes its codecs back."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from distributed import run_workers
+from pipeline_cases import simulated_sgd_losses
+
+from hf_actcomp import Compression, MemoryConfig, Plan, simulate
+from hf_actcomp.auto import (
+    LADDERS,
+    MEASURED,
+    THRESHOLDS,
+    Link,
+    Measurements,
+    choose,
+    choose_direction,
+    ladder,
+    payload_nbytes,
+)
+from hf_actcomp.cli import main
+from hf_actcomp.debug import debug_model
+from hf_actcomp.plan import AutoConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPE = (4, 128, 128)  # one micro-batch: 262144 bytes in fp32
+RAW = 4 * 128 * 128 * 4
+MBIT = 1e6 / 8  # bytes per second
+
+
+# (bandwidth Mbit/s, rtt ms, budget ms) -> the forward codec of the stateless ladder, and why
+CASES = [
+    # the link is fast enough: no compression at all
+    (1000, 0.2, 60, "none", True),
+    (100, 0.2, 60, "none", True),  # 21.2 ms: hidden behind 60 ms of compute
+    # slower: the least compression that fits (8 bits with its scales, 67.6 kB: 45 ms at 12 Mbit/s)
+    (12, 0.2, 60, "quantize8", True),
+    (10, 0.2, 40, "quantize4", True),  # 8 bits: 54 ms, over the budget; 4 bits: 28 ms
+    # nothing fits: the strongest (3 bits), unless a weaker one is within 5% of its time
+    (1, 0.2, 60, "quantize3", False),
+    # the round trip dominates: bytes hardly matter, so the weakest within 5% of the fastest
+    (1000, 400, 60, "none", False),
+    (100, 400, 60, "quantize8", False),
+]
+
+
+@pytest.mark.parametrize("mbit,rtt_ms,budget_ms,expected,fits", CASES)
+def test_choose_direction_table(mbit, rtt_ms, budget_ms, expected, fits):
+    link = Link(bandwidth=mbit * MBIT, rtt=rtt_ms / 1e3)
+    rungs = ladder(AutoConfig(), "forward")
+    choice = choose_direction(rungs, link, budget_ms / 1e3, SHAPE, torch.float32)
+    times = {c.describe(): link.seconds(payload_nbytes(c, SHAPE, torch.float32)) for c in rungs}
+    assert (choice["codec"], choice["fits"]) == (expected, fits), times
+    assert choice["uncompressed_transfer_seconds"] == pytest.approx(rtt_ms / 2e3 + RAW / (mbit * MBIT))
+    if fits:  # the least compression that fits: every weaker rung does not
+        weaker = [c.describe() for c in rungs[:[c.describe() for c in rungs].index(expected)]]
+        assert all(times[w] > budget_ms / 1e3 for w in weaker)
+        assert times[expected] <= budget_ms / 1e3
+    else:
+        assert all(t > budget_ms / 1e3 for t in times.values())
+        assert times[expected] <= 1.05 * min(times.values())
+
+
+def test_choose_per_boundary_headroom_and_replicas_of_the_rule():
+    """Boundaries differ when their links do; the budget is headroom x the busiest stage's compute;
+    the AQ-SGD ladder is used when asked; a wrong count of boundaries is refused."""
+    fast, slow = Link(1000 * MBIT, 1e-4), Link(10 * MBIT, 1e-4)
+    measured = Measurements(compute=[0.02, 0.04, 0.03], links=[{"forward": fast, "backward": fast},
+                                                                {"forward": slow, "backward": slow}],
+                            payload_shape=SHAPE)
+    decision = choose(measured, AutoConfig())
+    assert decision["budget_seconds"] == pytest.approx(0.04)
+    codecs = [(b["forward"]["codec"], b["backward"]["codec"]) for b in decision["boundaries"]]
+    assert codecs == [("none", "none"), ("quantize4", "quantize6")]  # 4 bits: 28 ms; 6 bits: 41 ms, the last rung
+    assert [decision["boundaries"][1][d]["fits"] for d in ("forward", "backward")] == [True, False]
+    halved = choose(measured, AutoConfig(headroom=0.5))  # 20 ms: not even 3 bits (21 ms) fits
+    assert halved["budget_seconds"] == pytest.approx(0.02)
+    assert halved["boundaries"][1]["forward"]["codec"] == "quantize3"
+    assert not halved["boundaries"][1]["forward"]["fits"]
+    aqsgd = choose(measured, AutoConfig(aqsgd=True))
+    assert aqsgd["boundaries"][1]["forward"]["codec"] == "aqsgd-quantize4 (warm-up hadamard4)"
+    assert aqsgd["boundaries"][1]["backward"]["codec"] == "quantize4"
+    json.dumps(decision)  # broadcast and saved as JSON
+    with pytest.raises(ValueError, match="3 stages need 2 measured boundaries, got 1"):
+        choose(Measurements(compute=[1, 1, 1], links=[{"forward": fast, "backward": fast}], payload_shape=SHAPE),
+               AutoConfig())
+
+
+@pytest.mark.parametrize("quality", ["safe", "fast"])
+@pytest.mark.parametrize("aqsgd", [False, True])
+def test_every_ladder_ends_in_a_measured_pair_within_its_quality(quality, aqsgd):
+    """The strongest forward and backward rungs together are a measured setting whose eval-loss gap
+    to `none` is within the level's threshold (worst seed for safe, median for fast); rungs are
+    ordered by bytes."""
+    rungs = LADDERS[(quality, aqsgd)]
+    with open(os.path.join(ROOT, "benchmarks", "results", f"{MEASURED[aqsgd]}.json")) as f:
+        summary = json.load(f)["summary"]
+    strongest = (rungs["forward"][-1].describe(), rungs["backward"][-1].describe())
+    row = next(r for r in summary if (r["forward"], r["backward"]) == strongest and r.get("tie", "exact") == "exact")
+    statistic, threshold = THRESHOLDS[quality]
+    gap = row["gap_percent_max"] if statistic == "worst" else row["gap_percent"]
+    assert gap <= threshold, (row["setting"], gap)
+    for direction, ladder_ in rungs.items():
+        sizes = [payload_nbytes(c, SHAPE, torch.float32) for c in ladder_]
+        assert sizes == sorted(sizes, reverse=True) and ladder_[0] == Compression(), direction
+
+
+def test_plan_auto_is_checked_and_round_trips(tmp_path):
+    plan = Plan.auto(num_stages=3, micro_batches=4, quality="fast", adapt_every=5)
+    assert plan.autotune == AutoConfig(quality="fast", adapt_every=5)
+    assert Plan.from_json_string(plan.to_json_string()) == plan
+    with pytest.raises(ValueError, match="Plan.auto chooses backward, forward itself"):
+        Plan.auto(forward=Compression("quantize", bits=4), backward=Compression("quantize", bits=8))
+    with pytest.raises(ValueError, match="quality='best' is not valid. Allowed values: safe, fast"):
+        Plan.auto(quality="best")
+    with pytest.raises(ValueError, match="adapt_every=0 must be an integer >= 1"):
+        Plan.auto(adapt_every=0)
+    with pytest.raises(ValueError, match="needs memory.num_samples"):
+        Plan.auto(aqsgd=True).check_memory()
+    with pytest.raises(ValueError, match="in one process there is no link to measure"):
+        simulate(debug_model("gpt2"), plan)
+    # Per-boundary codecs, what Plan.auto fills in
+    mixed = Plan(num_stages=3, boundaries=[None, {"forward": {"method": "quantize", "bits": 4}}])
+    assert [mixed.forward_at(b).describe() for b in range(2)] == ["none", "quantize4"]
+    assert mixed.backward_at(1).describe() == "none" and mixed.per_boundary
+    assert Plan.from_yaml_string(mixed.to_yaml_string()) == mixed
+    with pytest.raises(ValueError, match="must be a list of num_stages - 1 = 2 entries"):
+        Plan(num_stages=3, boundaries=[None])
+    with pytest.raises(ValueError, match=r"Plan.boundaries\[0\]\['backward'\].method='aqsgd' is not supported"):
+        Plan(num_stages=2, boundaries=[{"backward": Compression("aqsgd", bits=4)}],
+             memory=MemoryConfig(num_samples=4))
+    with pytest.raises(ValueError, match="must be None or a dict with the keys 'forward'"):
+        Plan(num_stages=2, boundaries=[{"sideways": Compression()}])
+
+
+def test_the_card_shows_the_choice_and_what_was_measured(tmp_path):
+    from hf_actcomp import hub
+    from hf_actcomp.auto import plan_boundaries
+
+    measured = Measurements(compute=[0.03, 0.03], links=[{"forward": Link(10 * MBIT, 0.02),
+                                                          "backward": Link(20 * MBIT, 0.02)}], payload_shape=SHAPE)
+    decision = choose(measured, AutoConfig())
+    plan = Plan.auto(num_stages=2)
+    plan = Plan(**{**plan.__dict__, "boundaries": plan_boundaries(decision),
+                   "autotune": AutoConfig(decision=decision)})
+    plan.save_pretrained(tmp_path)
+    debug_model("gpt2").config.save_pretrained(tmp_path)
+    text = hub.model_card(tmp_path).text
+    assert "with a codec chosen per boundary (below)" in text
+    assert "| boundary 0 forward | `quantize3` |" in text and "| boundary 0 backward | `quantize6` |" in text
+    assert ("`Plan.auto` (quality safe) from measured links (boundary 0: 10/20 Mbit/s forward/backward, 20 ms RTT) "
+            "and 30.0 ms of compute per micro-batch") in text
+
+
+def test_estimate_auto_shows_the_choice_for_given_links(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_embd": 128, "n_layer": 4, "n_head": 4,
+                                  "vocab_size": 1024}))
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("num_stages: 3\nmicro_batches: 4\n")
+    cmd = ["estimate", "--model", str(config), "--plan", str(plan), "--batch-size", "16", "--seq-len", "128",
+           "--auto", "--link", "1gbit,10mbit", "--rtt", "0.1,20", "--compute-seconds", "0.25"]
+    assert main(cmd) == 0
+    out = capsys.readouterr().out
+    assert "compute budget 62.5 ms per micro-batch" in out
+    assert "boundary 0 forward: none (262144 B" in out
+    assert "boundary 1 forward: quantize4 (34816 B, 37.9 ms vs 219.7 ms uncompressed) on 10.0 Mbit/s" in out
+    assert "boundary 1 backward: quantize6" in out
+    assert main(cmd + ["--json", "--aqsgd"]) == 0
+    decision = json.loads(capsys.readouterr().out)
+    assert decision["boundaries"][1]["forward"]["codec"] == "aqsgd-quantize4 (warm-up hadamard4)"
+    assert main(cmd + ["--link", "1gbit,10mbit,5mbit"]) == 2
+    assert "gives 3 values; give one, or one per boundary (2)" in capsys.readouterr().err
+    assert main(cmd[:-2]) == 2
+    assert "--auto needs --compute-seconds" in capsys.readouterr().err
+
+
+def test_slowed_boundary_gets_a_stronger_codec_and_every_rank_agrees(tmp_path):
+    """3 processes; the test hook fakes boundary 0 at 10 Gbit/s and boundary 1 at 0.1 Mbit/s: the
+    first keeps `none`, the second gets the ladder's strongest codecs. Every rank holds the same
+    plan; the run equals simulate() under that plan (losses, bytes per channel); the probes'
+    bytes are counted, exactly, under their own category."""
+    run_workers("auto_worker.py", 3, ["mixed", str(tmp_path)], timeout=240)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    plan = Plan.from_dict(results[0]["plan"])
+    assert all(r["plan"] == results[0]["plan"] for r in results)
+    assert [(plan.forward_at(b).describe(), plan.backward_at(b).describe()) for b in range(2)] == [
+        ("none", "none"), ("quantize3", "quantize6")]
+    decision = plan.autotune.decision
+    assert decision["measurements"]["faked"]["1"]["forward"]["bandwidth_mbit_s"] == 0.1
+    assert [b["forward"]["fits"] for b in decision["boundaries"]] == [True, False]
+
+    sim = simulate(debug_model("gpt2", seed=0), plan)
+    assert results[0]["losses"] == pytest.approx(simulated_sgd_losses(sim, 4), rel=1e-4)
+    stats, sim_stats = results[0]["stats"], sim.stats()
+    for channel, entry in sim_stats["channels"].items():
+        assert stats["channels"][channel]["bytes_sent"] == entry["bytes_sent"], channel
+    assert stats["channels"]["boundary1.forward"]["compression_ratio"] > 8
+    # Probes: per boundary and direction, 4 small and 4 payload messages (1 untimed + 3 timed)
+    # answered by 8 bytes; the payload is one micro-batch (1 row x 16 tokens x 64, fp32). Then
+    # the all-gather of 6 float64 per rank and the decision's broadcast (length + JSON) from rank 0.
+    payload = 1 * 16 * 64 * 4
+    links = 2 * 2 * (4 * 8 + 4 * payload + 8 * 8)
+    gather = 3 * 2 * 6 * 8
+    sent = {k: v for k, v in decision.items() if k != "optimizer_step"}
+    broadcast = 2 * (8 + len(json.dumps(sent).encode()))
+    assert stats["categories"]["probe"]["bytes_sent"] == links + gather + broadcast
+    assert stats["stages"]["0"]["seconds_probing"] > 0
+
+
+def test_adapted_run_is_exact_until_it_switches_and_keeps_aqsgd_memory(tmp_path):
+    """Plan.auto(aqsgd=True, adapt_every=2) with the test hook: a fast link for 2 optimizer steps
+    (`none`: losses and weights equal a plain run's, bit for bit), then slower (AQ-SGD 4 bits, its
+    memory started empty), then slower again (2 bits, memory kept: the seen samples go on from 8
+    to 12). Both ends' memories stay equal; a fresh pipeline loading the state takes the codecs
+    back with it."""
+    run_workers("auto_worker.py", 2, ["adapt", str(tmp_path)], timeout=240)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in results:
+        assert r["losses"][:2] == r["plain_losses"] and r["equal_after_two"]
+        assert r["seen"] == [None, None, 4, 8, 12, 16]
+        switches = [(s["optimizer_step"], s["channel"], s["to"], s["memory"]) for s in r["stats"]["auto"]["switches"]]
+        assert switches == [
+            (2, "boundary0.forward", "aqsgd-quantize4 (warm-up hadamard4)", "AQ-SGD memory started empty"),
+            (2, "boundary0.backward", "quantize4", ""),
+            (4, "boundary0.forward", "aqsgd-quantize2 (warm-up hadamard4)", "AQ-SGD memory kept")]
+        assert r["resumed"] == ["aqsgd-quantize2 (warm-up hadamard4)", "quantize4"]
+        assert r["resumed_checksum"] == r["checksum"] != 0.0
+    assert results[0]["checksum"] == results[1]["checksum"]  # the sender's mirror equals the receiver's memory
