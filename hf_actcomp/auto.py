@@ -53,6 +53,11 @@ for _quality in ("safe", "fast"):
     LADDERS[(_quality, True)] = {"forward": [NONE, _aqsgd(4), _aqsgd(2)],
                                  "backward": [NONE, _quantize(8), _quantize(6), _quantize(4)]}
 
+# The tied embedding's rows (GPT-2, OPT, Gemma: a first stage and a last stage sharing it), when
+# the plan leaves `tie_compression` unset: exact (None), 8 bits (+0.00% alone and with AQ-SGD
+# fw4/bw8), 4 bits only with AQ-SGD (measured with fw2/bw4 and the warm-up: +0.19%, worst +0.25%).
+TIE_LADDERS = {False: [None, _quantize(8)], True: [None, _quantize(8), _quantize(4)]}
+
 # The results file (benchmarks/results/) whose summary measured each ladder's strongest pair:
 # direct fw3/bw6 (+0.22% median, +0.28% worst seed) and AQ-SGD fw2/bw4 with the Hadamard-4
 # warm-up (+0.17%, +0.21%).
@@ -87,12 +92,15 @@ class Measurements:
         links: per boundary, its `forward` and `backward` `Link`.
         payload_shape: one micro-batch's boundary tensor, (rows, tokens, hidden).
         dtype: what crosses a boundary uncompressed.
+        tie_rows: the rows of a tied embedding one step exchanges (its distinct tokens), when the
+            codec of the tie is to be chosen too; they go over the slowest boundary's links.
     """
 
     compute: list[float]
     links: list[dict[str, Link]]
     payload_shape: tuple[int, int, int]
     dtype: torch.dtype = torch.float32
+    tie_rows: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,7 +108,7 @@ class Measurements:
                 "links": [{d: {"bandwidth_mbit_s": link.bandwidth * 8 / 1e6, "rtt_ms": link.rtt * 1e3}
                            for d, link in links.items()} for links in self.links],
                 "payload_shape": list(self.payload_shape), "dtype": str(self.dtype).removeprefix("torch."),
-                **self.extra}
+                "tie_rows": self.tie_rows, **self.extra}
 
 
 def payload_nbytes(compression: Compression, shape: tuple[int, int, int], dtype: torch.dtype) -> int:
@@ -109,10 +117,11 @@ def payload_nbytes(compression: Compression, shape: tuple[int, int, int], dtype:
     return build_codec(compression).payload_nbytes(shape, dtype)
 
 
-def choose_direction(rungs: list[Compression], link: Link, budget: float, shape, dtype) -> dict[str, Any]:
+def choose_direction(rungs: list[Compression | None], link: Link, budget: float, shape, dtype) -> dict[str, Any]:
     """The rung for one direction: the least compression whose transfer fits `budget` seconds;
-    when none does, the least compression within `NO_GAIN` of the strongest's transfer time."""
-    options = [(c, payload_nbytes(c, shape, dtype)) for c in rungs]
+    when none does, the least compression within `NO_GAIN` of the strongest's transfer time.
+    (A tie's rung None is its exact form: the rows in fp32.)"""
+    options = [(c, payload_nbytes(c or NONE, shape, dtype)) for c in rungs]
     times = [link.seconds(n) for _, n in options]
     fitting = [i for i, t in enumerate(times) if t <= budget]
     if fitting:
@@ -122,7 +131,8 @@ def choose_direction(rungs: list[Compression], link: Link, budget: float, shape,
         why = ("no rung hides behind compute: the link bounds the step; least compression within "
                f"{round((NO_GAIN - 1) * 100)}% of the fastest transfer")
     compression, nbytes = options[pick]
-    return {"compression": asdict(compression), "codec": compression.describe(), "bytes": nbytes,
+    return {"compression": None if compression is None else asdict(compression),
+            "codec": "exact" if compression is None else compression.describe(), "bytes": nbytes,
             "transfer_seconds": times[pick], "uncompressed_transfer_seconds": times[0], "fits": bool(fitting),
             "why": why}
 
@@ -141,13 +151,25 @@ def choose(measured: Measurements, config: AutoConfig) -> dict[str, Any]:
     for links in measured.links:
         boundaries.append({d: choose_direction(ladder(config, d), links[d], budget, measured.payload_shape,
                                                measured.dtype) for d in ("forward", "backward")})
-    return {"quality": config.quality, "aqsgd": config.aqsgd, "budget_seconds": budget,
-            "measurements": measured.to_dict(), "boundaries": boundaries}
+    decision = {"quality": config.quality, "aqsgd": config.aqsgd, "budget_seconds": budget,
+                "measurements": measured.to_dict(), "boundaries": boundaries}
+    if measured.tie_rows:  # rows there and gradient rows back, each over the slowest link of its way
+        slowest = Link(bandwidth=min(links[d].bandwidth for links in measured.links for d in links),
+                       rtt=max(links[d].rtt for links in measured.links for d in links))
+        decision["tie"] = choose_direction(TIE_LADDERS[config.aqsgd], slowest, budget,
+                                           (measured.tie_rows, measured.payload_shape[2]), torch.float32)
+    return decision
 
 
 def plan_boundaries(decision: dict[str, Any]) -> list[dict[str, Compression]]:
     """`Plan.boundaries` as `decision` chose them."""
     return [{d: Compression(**entry["compression"]) for d, entry in b.items()} for b in decision["boundaries"]]
+
+
+def tie_compression(decision: dict[str, Any]) -> Compression | None:
+    """`Plan.tie_compression` as `decision` chose it (call only when it chose one: `"tie" in decision`)."""
+    chosen = decision["tie"]["compression"]
+    return None if chosen is None else Compression(**chosen)
 
 
 def describe(decision: dict[str, Any]) -> str:
@@ -162,4 +184,9 @@ def describe(decision: dict[str, Any]) -> str:
                          f"{choice['transfer_seconds'] * 1e3:.1f} ms vs {choice['uncompressed_transfer_seconds'] * 1e3:.1f} "
                          f"ms uncompressed) on {link['bandwidth_mbit_s']:.1f} Mbit/s, {link['rtt_ms']:.1f} ms RTT"
                          f"{'' if choice['fits'] else ' (link-bound)'}")
+    if "tie" in decision:
+        tie = decision["tie"]
+        lines.append(f"  tied embedding rows ({decision['measurements']['tie_rows']} per step): {tie['codec']} "
+                     f"({tie['transfer_seconds'] * 1e3:.1f} ms each way vs {tie['uncompressed_transfer_seconds'] * 1e3:.1f} "
+                     f"ms exact, on the slowest link){'' if tie['fits'] else ' (link-bound)'}")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from distributed import run_workers
-from pipeline_cases import simulated_sgd_losses
+from pipeline_cases import simulated_sgd_losses, training_batches
 
 from hf_actcomp import Compression, MemoryConfig, Plan, simulate
 from hf_actcomp.auto import (
@@ -196,12 +196,16 @@ def test_slowed_boundary_gets_a_stronger_codec_and_every_rank_agrees(tmp_path):
     decision = plan.autotune.decision
     assert decision["measurements"]["faked"]["1"]["forward"]["bandwidth_mbit_s"] == 0.1
     assert [b["forward"]["fits"] for b in decision["boundaries"]] == [True, False]
+    # The tied embedding (GPT-2): its rows take the slowest link, so they get 8 bits too
+    assert plan.tie_compression.describe() == "quantize8" and decision["tie"]["codec"] == "quantize8"
+    assert decision["measurements"]["tie_rows"] == torch.unique(next(training_batches(256, 1))["input_ids"]).numel()
 
     sim = simulate(debug_model("gpt2", seed=0), plan)
     assert results[0]["losses"] == pytest.approx(simulated_sgd_losses(sim, 4), rel=1e-4)
     stats, sim_stats = results[0]["stats"], sim.stats()
     for channel, entry in sim_stats["channels"].items():
         assert stats["channels"][channel]["bytes_sent"] == entry["bytes_sent"], channel
+    assert stats["categories"]["tie"]["bytes_sent"] == sim_stats["categories"]["tie"]["bytes_sent"]
     assert stats["channels"]["boundary1.forward"]["compression_ratio"] > 8
     # Probes: per boundary and direction, 4 small and 4 payload messages (1 untimed + 3 timed)
     # answered by 8 bytes; the payload is one micro-batch (1 row x 16 tokens x 64, fp32). Then

@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import checkpoint
 from ..auto import describe as describe_decision
-from ..auto import plan_boundaries
+from ..auto import plan_boundaries, tie_compression
 from ..batching import MicroBatch, check_batch, count_label_tokens, split_batch
 from ..boundary import Boundary, NonFiniteError
 from ..checkpoint import CompressionState, model_fingerprint
@@ -308,7 +308,7 @@ class Pipeline(nn.Module):
         self.stage.train()
         micro = split_batch(batch, self.plan.micro_batches, self.device)
         if self._auto_due():
-            self._auto_select(micro)
+            self._auto_select(micro, batch["input_ids"])
         start = time.perf_counter()
         num_tokens = count_label_tokens(batch["labels"])
         normaliser = self._loss_normaliser(num_tokens, num_items_in_batch)
@@ -351,8 +351,9 @@ class Pipeline(nn.Module):
         return (config.adapt_every is not None and self._at_optimizer_step
                 and self._optimizer_steps - self._decided_at >= config.adapt_every)
 
-    def _auto_select(self, micro: list[MicroBatch]) -> None:
-        """Measure the compute and the links, agree on the codecs (rank 0 decides), apply them."""
+    def _auto_select(self, micro: list[MicroBatch], input_ids: torch.Tensor) -> None:
+        """Measure the compute and the links, agree on the codecs (rank 0 decides), apply them.
+        The tie's codec is chosen once, at the first decision, when the plan leaves it unset."""
         config = self.plan.autotune
         start = time.perf_counter()
         shape = self._shape(micro[0])  # the largest micro-batch (tensor_split puts extra rows first)
@@ -360,7 +361,11 @@ class Pipeline(nn.Module):
         compute = self._measure_compute(micro[0], config.probe_repeats)
         counter = self.traffic["probe"]
         links = measure_links(self.transport, self.mesh, self.device, nbytes, config.probe_repeats, counter)
-        decision = agree(config, self.mesh, compute, links, shape, self.boundary_dtype, self.device, counter)
+        tie_rows = None
+        if config.decision is None and self.plan.tie_compression is None and self.tie is not None and self.tie.active:
+            tie_rows = int(TiedEmbedding.rows_of(input_ids).numel())  # known on rank 0 (the first stage)
+        decision = agree(config, self.mesh, compute, links, shape, self.boundary_dtype, self.device, counter,
+                         tie_rows)
         decision["optimizer_step"] = self._optimizer_steps
         self._apply_decision(decision)
         self.seconds_probing += time.perf_counter() - start
@@ -398,6 +403,10 @@ class Pipeline(nn.Module):
         previous = self.boundaries
         plan = dataclasses.replace(self.plan, boundaries=plan_boundaries(decision),
                                    autotune=dataclasses.replace(self.plan.autotune, decision=decision))
+        if "tie" in decision:  # only in a first decision (or the saved one): no tie row has crossed yet
+            plan = dataclasses.replace(plan, tie_compression=tie_compression(decision))
+            if self.tie is not None:
+                self.tie.set_compression(plan.tie_compression)
         self._build_boundaries(plan, previous)
         self.plan = plan
         self.links = self._stage_links()

@@ -65,6 +65,12 @@ class TiedEmbedding:
         self.compressor = (TieCompressor(compression, "owner" if self.is_owner else "first")
                            if compression is not None else None)
 
+    def set_compression(self, compression: Compression | None) -> None:
+        """Plan.auto's choice of the tie's codec, before the first exchange (a compressed tie's
+        tables start empty at both ends, as they do here)."""
+        self.compressor = (TieCompressor(compression, "owner" if self.is_owner else "first")
+                           if compression is not None else None)
+
     @property
     def active(self) -> bool:
         """A frozen tie never changes, so both copies stay equal without any exchange."""

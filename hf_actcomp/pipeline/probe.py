@@ -84,10 +84,11 @@ def measure_links(transport: Transport, mesh: PipelineMesh, device: torch.device
 
 def agree(config: AutoConfig, mesh: PipelineMesh, compute: float, links: dict[tuple[int, str], Link],
           shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-          counter: TrafficCounter) -> dict:
-    """Every rank's measurements to global rank 0, which decides (`auto.choose`) and broadcasts
-    the decision; returns it on every rank. Collective over the whole job. With replicas, each
-    stage's slowest compute and each link's slowest measurement count."""
+          counter: TrafficCounter, tie_rows: int | None = None) -> dict:
+    """Every rank's measurements to global rank 0, which decides (`auto.choose`; `tie_rows`, known
+    there, when the tie's codec is to be chosen too) and broadcasts the decision; returns it on
+    every rank. Collective over the whole job. With replicas, each stage's slowest compute and each
+    link's slowest measurement count."""
     world = dist.get_world_size()
     mine = [float(mesh.stage), compute]
     for key in ((mesh.stage, "forward"), (mesh.stage - 1, "backward")):
@@ -98,7 +99,8 @@ def agree(config: AutoConfig, mesh: PipelineMesh, compute: float, links: dict[tu
     dist.all_gather(parts, local)
     counter.add((world - 1) * local.numel() * 8, (world - 1) * local.numel() * 8)  # as a ring all-gather sends
     if dist.get_rank() == 0:
-        payload = json.dumps(decide(config, mesh.num_stages, [p.tolist() for p in parts], shape, dtype)).encode()
+        rows = [p.tolist() for p in parts]
+        payload = json.dumps(decide(config, mesh.num_stages, rows, shape, dtype, tie_rows)).encode()
         length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     else:
         length = torch.empty(1, dtype=torch.int64, device=device)
@@ -111,7 +113,8 @@ def agree(config: AutoConfig, mesh: PipelineMesh, compute: float, links: dict[tu
     return json.loads(bytes(data.cpu().tolist()).decode())
 
 
-def decide(config: AutoConfig, num_stages: int, rows: list[list[float]], shape, dtype: torch.dtype) -> dict:
+def decide(config: AutoConfig, num_stages: int, rows: list[list[float]], shape, dtype: torch.dtype,
+           tie_rows: int | None = None) -> dict:
     """Rank 0: the gathered rows (stage, compute, forward link of its boundary, backward link of
     the one before) as `Measurements`, the fake-link hook applied, then `choose`."""
     compute = [0.0] * num_stages
@@ -127,7 +130,7 @@ def decide(config: AutoConfig, num_stages: int, rows: list[list[float]], shape, 
             if old is None or bandwidth < old.bandwidth:
                 links[b][direction] = Link(bandwidth=bandwidth, rtt=max(rtt, old.rtt if old else 0.0))
     faked = _fake(links, compute)
-    measured = Measurements(compute=compute, links=links, payload_shape=tuple(shape), dtype=dtype,
+    measured = Measurements(compute=compute, links=links, payload_shape=tuple(shape), dtype=dtype, tie_rows=tie_rows,
                             extra={"faked": faked} if faked else {})
     return choose(measured, config)
 
