@@ -1,17 +1,21 @@
 """`Plan.auto`: each boundary direction's codec, chosen from its measured link and the compute.
 
-The rule. With communication overlapped with compute, every micro-batch puts one payload on each
-direction of each boundary while the busiest stage computes that micro-batch's forward and
-backward. A direction's transfer is hidden when it takes no longer than that compute, so per
-boundary and direction the choice is the least compression of the ladder whose transfer time per
-micro-batch (half the round trip + payload / bandwidth) stays within `headroom` x the busiest
-stage's compute per micro-batch. More compression than that buys no speed, only quality cost.
-When no rung fits, the link bounds the step whatever is chosen: the least compression whose
-transfer is within 5% of the strongest rung's (on a link where the round trip dominates, that is
-a weak codec, since bytes hardly matter there).
+The rule. Under 1F1B with communication overlapped, a step of M micro-batches costs the busiest
+stage's compute, M x c (c: its forward + backward of one micro-batch), plus, per boundary
+direction, what its transfers add: the first forward and the last backward transfer of a step are
+never hidden (the pipeline fills and drains), and in between each transfer is hidden only up to
+the compute beside it. So a direction whose transfer takes t seconds per micro-batch adds about
+
+    cost(t) = t + M x max(0, t - c)
+
+to a step. Per boundary and direction the choice is the least compression of the ladder whose
+cost is within `tolerance` x M x c of the cheapest rung's: once a transfer hides behind compute,
+more compression buys no speed, only quality cost. t is half the measured round trip plus the
+payload over the measured bandwidth. On a link where the round trip dominates, the bytes hardly
+matter, so a weak codec is picked there.
 
 The ladders hold only settings whose quality cost docs/quality.md has measured (fine-tuning a
-pre-trained GPT-2-style model, 3 seeds; `MEASURED` names the rows). A forward rung and a backward
+pre-trained GPT-2-style model, 3 seeds; `MEASURED` names the files). A forward rung and a backward
 rung combine into a pair no stronger in either direction than the ladder's last rungs, which form
 a measured pair within the quality level; tests/test_auto.py checks that against the results
 files.
@@ -63,7 +67,6 @@ TIE_LADDERS = {False: [None, _quantize(8)], True: [None, _quantize(8), _quantize
 # warm-up (+0.17%, +0.21%).
 MEASURED = {False: "finetune_quality", True: "finetune_quality_tie_warmup"}
 THRESHOLDS = {"safe": ("worst", 0.3), "fast": ("median", 1.0)}  # percent over `none`, by seed
-NO_GAIN = 1.05  # when nothing fits: rungs within 5% of the strongest's transfer time are as fast
 
 
 def ladder(config: AutoConfig, direction: str) -> list[Compression]:
@@ -91,6 +94,7 @@ class Measurements:
         compute: seconds per micro-batch (forward + backward) of each stage.
         links: per boundary, its `forward` and `backward` `Link`.
         payload_shape: one micro-batch's boundary tensor, (rows, tokens, hidden).
+        micro_batches: per step (M).
         dtype: what crosses a boundary uncompressed.
         tie_rows: the rows of a tied embedding one step exchanges (its distinct tokens), when the
             codec of the tie is to be chosen too; they go over the slowest boundary's links.
@@ -99,6 +103,7 @@ class Measurements:
     compute: list[float]
     links: list[dict[str, Link]]
     payload_shape: tuple[int, int, int]
+    micro_batches: int = 1
     dtype: torch.dtype = torch.float32
     tie_rows: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -107,7 +112,7 @@ class Measurements:
         return {"compute_seconds_per_micro_batch": list(self.compute),
                 "links": [{d: {"bandwidth_mbit_s": link.bandwidth * 8 / 1e6, "rtt_ms": link.rtt * 1e3}
                            for d, link in links.items()} for links in self.links],
-                "payload_shape": list(self.payload_shape), "dtype": str(self.dtype).removeprefix("torch."),
+                "payload_shape": list(self.payload_shape), "micro_batches": self.micro_batches, "dtype": str(self.dtype).removeprefix("torch."),
                 "tie_rows": self.tie_rows, **self.extra}
 
 
@@ -117,47 +122,51 @@ def payload_nbytes(compression: Compression, shape: tuple[int, int, int], dtype:
     return build_codec(compression).payload_nbytes(shape, dtype)
 
 
-def choose_direction(rungs: list[Compression | None], link: Link, budget: float, shape, dtype) -> dict[str, Any]:
-    """The rung for one direction: the least compression whose transfer fits `budget` seconds;
-    when none does, the least compression within `NO_GAIN` of the strongest's transfer time.
-    (A tie's rung None is its exact form: the rows in fp32.)"""
+def step_cost(t: float, compute: float, micro_batches: int) -> float:
+    """Seconds a direction whose transfer takes `t` per micro-batch adds to a step (module docstring)."""
+    return t + micro_batches * max(0.0, t - compute)
+
+
+def choose_direction(rungs: list[Compression | None], link: Link, compute: float, micro_batches: int,
+                     tolerance: float, shape, dtype, *, per_step: bool = False) -> dict[str, Any]:
+    """The rung for one direction: the least compression whose step cost is within `tolerance`
+    x the step's compute of the cheapest rung's. (A tie's rung None is its exact form, the rows
+    in fp32; `per_step`: one transfer per step, on the step's critical path, as the tie's rows.)"""
     options = [(c, payload_nbytes(c or NONE, shape, dtype)) for c in rungs]
     times = [link.seconds(n) for _, n in options]
-    fitting = [i for i, t in enumerate(times) if t <= budget]
-    if fitting:
-        pick, why = fitting[0], "least compression whose transfer hides behind compute"
-    else:
-        pick = next(i for i, t in enumerate(times) if t <= NO_GAIN * times[-1])
-        why = ("no rung hides behind compute: the link bounds the step; least compression within "
-               f"{round((NO_GAIN - 1) * 100)}% of the fastest transfer")
+    costs = [t if per_step else step_cost(t, compute, micro_batches) for t in times]
+    slack = tolerance * micro_batches * compute
+    pick = next(i for i, cost in enumerate(costs) if cost <= min(costs) + slack)
     compression, nbytes = options[pick]
     return {"compression": None if compression is None else asdict(compression),
             "codec": "exact" if compression is None else compression.describe(), "bytes": nbytes,
-            "transfer_seconds": times[pick], "uncompressed_transfer_seconds": times[0], "fits": bool(fitting),
-            "why": why}
+            "transfer_seconds": times[pick], "uncompressed_transfer_seconds": times[0],
+            "step_cost_seconds": costs[pick], "uncompressed_step_cost_seconds": costs[0],
+            "hidden": bool(times[pick] <= compute)}
 
 
 def choose(measured: Measurements, config: AutoConfig) -> dict[str, Any]:
-    """Per boundary and direction, the rung `config` allows whose transfer stays within the
-    compute it can hide behind (module docstring). Returns the decision, JSON-ready: `boundaries`
-    (per boundary, per direction: the `Compression` as a dict, codec, bytes, transfer seconds,
-    whether it fits), the budget and the measurements (`plan_boundaries` turns it into
-    `Plan.boundaries`)."""
+    """Per boundary and direction, the least compression `config` allows whose step cost is
+    within its tolerance of the cheapest (module docstring). Returns the decision, JSON-ready:
+    `boundaries` (per boundary, per direction: the `Compression` as a dict, codec, bytes, transfer
+    seconds, step cost, whether compute hides it), `tie` when the tie's codec was chosen too, the
+    compute and the measurements (`plan_boundaries` / `tie_compression` turn it into a plan)."""
     if len(measured.compute) != len(measured.links) + 1:
         raise ValueError(f"{len(measured.compute)} stages need {len(measured.compute) - 1} measured boundaries, "
                          f"got {len(measured.links)}.")
-    budget = config.headroom * max(measured.compute)
-    boundaries = []
-    for links in measured.links:
-        boundaries.append({d: choose_direction(ladder(config, d), links[d], budget, measured.payload_shape,
-                                               measured.dtype) for d in ("forward", "backward")})
-    decision = {"quality": config.quality, "aqsgd": config.aqsgd, "budget_seconds": budget,
-                "measurements": measured.to_dict(), "boundaries": boundaries}
+    compute, m = max(measured.compute), measured.micro_batches
+    boundaries = [{d: choose_direction(ladder(config, d), links[d], compute, m, config.tolerance,
+                                       measured.payload_shape, measured.dtype) for d in ("forward", "backward")}
+                  for links in measured.links]
+    decision = {"quality": config.quality, "aqsgd": config.aqsgd, "tolerance": config.tolerance,
+                "compute_seconds": compute, "micro_batches": m, "measurements": measured.to_dict(),
+                "boundaries": boundaries}
     if measured.tie_rows:  # rows there and gradient rows back, each over the slowest link of its way
         slowest = Link(bandwidth=min(links[d].bandwidth for links in measured.links for d in links),
                        rtt=max(links[d].rtt for links in measured.links for d in links))
-        decision["tie"] = choose_direction(TIE_LADDERS[config.aqsgd], slowest, budget,
-                                           (measured.tie_rows, measured.payload_shape[2]), torch.float32)
+        decision["tie"] = choose_direction(TIE_LADDERS[config.aqsgd], slowest, compute, m, config.tolerance,
+                                           (measured.tie_rows, measured.payload_shape[2]), torch.float32,
+                                           per_step=True)
     return decision
 
 
@@ -173,20 +182,25 @@ def tie_compression(decision: dict[str, Any]) -> Compression | None:
 
 
 def describe(decision: dict[str, Any]) -> str:
-    """One line per boundary direction: codec, measured link, transfer vs the compute budget."""
-    lines = [f"Plan.auto (quality {decision['quality']}): compute budget {decision['budget_seconds'] * 1e3:.1f} ms "
-             "per micro-batch (busiest stage)"]
+    """One line per boundary direction: codec, measured link, transfer and what it adds to a step."""
+    m, compute = decision["micro_batches"], decision["compute_seconds"]
+    lines = [f"Plan.auto (quality {decision['quality']}): {compute * 1e3:.1f} ms of compute per micro-batch "
+             f"(busiest stage), {m} micro-batches: {m * compute * 1e3:.0f} ms per step"]
     links = decision["measurements"]["links"]
+
+    def line(choice: dict) -> str:
+        hidden = "hidden" if choice["hidden"] else "link-bound"
+        return (f"{choice['codec']} ({choice['bytes']} B: {choice['transfer_seconds'] * 1e3:.1f} ms, "
+                f"+{choice['step_cost_seconds'] * 1e3:.1f} ms per step; uncompressed "
+                f"{choice['uncompressed_transfer_seconds'] * 1e3:.1f} ms, +{choice['uncompressed_step_cost_seconds'] * 1e3:.1f} "
+                f"ms) [{hidden}]")
+
     for b, entry in enumerate(decision["boundaries"]):
         for d, choice in entry.items():
             link = links[b][d]
-            lines.append(f"  boundary {b} {d}: {choice['codec']} ({choice['bytes']} B, "
-                         f"{choice['transfer_seconds'] * 1e3:.1f} ms vs {choice['uncompressed_transfer_seconds'] * 1e3:.1f} "
-                         f"ms uncompressed) on {link['bandwidth_mbit_s']:.1f} Mbit/s, {link['rtt_ms']:.1f} ms RTT"
-                         f"{'' if choice['fits'] else ' (link-bound)'}")
+            lines.append(f"  boundary {b} {d} on {link['bandwidth_mbit_s']:.3g} Mbit/s, {link['rtt_ms']:.3g} ms RTT: "
+                         f"{line(choice)}")
     if "tie" in decision:
-        tie = decision["tie"]
-        lines.append(f"  tied embedding rows ({decision['measurements']['tie_rows']} per step): {tie['codec']} "
-                     f"({tie['transfer_seconds'] * 1e3:.1f} ms each way vs {tie['uncompressed_transfer_seconds'] * 1e3:.1f} "
-                     f"ms exact, on the slowest link){'' if tie['fits'] else ' (link-bound)'}")
+        lines.append(f"  tied embedding rows ({decision['measurements']['tie_rows']} per step, slowest link): "
+                     f"{line(decision['tie'])}")
     return "\n".join(lines)

@@ -336,7 +336,7 @@ def auto_estimate(config, plan: Plan, batch_size: int, seq_len: int, links_bits:
     links = [{d: Link(bandwidth=bits / 8, rtt=rtt) for d in ("forward", "backward")}
              for bits, rtt in zip(links_bits, rtts, strict=True)]
     measured = Measurements(compute=[compute_seconds / micro] * plan.num_stages, links=links, payload_shape=shape,
-                            dtype=dtype)
+                            micro_batches=micro, dtype=dtype)
     return choose(measured, auto)
 
 

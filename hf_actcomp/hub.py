@@ -311,7 +311,7 @@ def _describe_auto(plan: Plan) -> str:
     links = decision["measurements"]["links"]
     measured = "; ".join(f"boundary {b}: {link['forward']['bandwidth_mbit_s']:.3g}/{link['backward']['bandwidth_mbit_s']:.3g} "
                          f"Mbit/s forward/backward, {link['forward']['rtt_ms']:.3g} ms RTT" for b, link in enumerate(links))
-    return (f"{text} from measured links ({measured}) and {decision['budget_seconds'] * 1e3:.1f} ms of compute per "
+    return (f"{text} from measured links ({measured}) and {decision['compute_seconds'] * 1e3:.1f} ms of compute per "
             "micro-batch")
 
 

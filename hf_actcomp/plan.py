@@ -341,7 +341,8 @@ class AutoConfig:
             every training batch; `ActCompTrainer` fills both); else stateless quantization.
         adapt_every: re-measure every N optimizer steps and switch a boundary's codec when the
             choice changes (None: measure once, at the first step; keeps runs reproducible).
-        headroom: the share of the busiest stage's compute per micro-batch a transfer may take.
+        tolerance: the share of a step's compute that more compression may still save and yet
+            not be chosen (docs/auto.md: the least compression within it of the fastest).
         probe_repeats: transfers and compute runs timed per measurement (the median is kept).
         decision: what was measured and chosen (filled by the pipeline; saved with the plan).
     """
@@ -349,7 +350,7 @@ class AutoConfig:
     quality: str = "safe"
     aqsgd: bool = False
     adapt_every: int | None = None
-    headroom: float = 1.0
+    tolerance: float = 0.05
     probe_repeats: int = 3
     decision: dict[str, Any] | None = None
 
@@ -360,8 +361,8 @@ class AutoConfig:
         every = self.adapt_every
         if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
             raise ValueError(f"Plan.auto adapt_every={every!r} must be an integer >= 1 (optimizer steps), or None.")
-        if not isinstance(self.headroom, int | float) or not 0 < self.headroom <= 10:
-            raise ValueError(f"Plan.auto headroom={self.headroom!r} must be a number in (0, 10].")
+        if not isinstance(self.tolerance, int | float) or not 0 <= self.tolerance <= 1:
+            raise ValueError(f"Plan.auto tolerance={self.tolerance!r} must be a number in [0, 1].")
         if not isinstance(self.probe_repeats, int) or not 1 <= self.probe_repeats <= 100:
             raise ValueError(f"Plan.auto probe_repeats={self.probe_repeats!r} must be an integer in 1..100.")
 
@@ -420,14 +421,15 @@ class Plan:
 
     @classmethod
     def auto(cls, num_stages: int = 2, micro_batches: int | None = None, *, quality: str = "safe",
-             aqsgd: bool = False, adapt_every: int | None = None, headroom: float = 1.0, probe_repeats: int = 3,
+             aqsgd: bool = False, adapt_every: int | None = None, tolerance: float = 0.05, probe_repeats: int = 3,
              **plan_kwargs: Any) -> Plan:
         """A plan whose boundary codecs the pipeline picks itself: at the first training step it
         measures each boundary's bandwidth and round trip in each direction (probe transfers over
         the real process group, counted under `probe`) and each stage's compute per micro-batch,
-        then, per boundary and direction, picks the least compression whose transfer stays within
-        the compute it can hide behind, among the settings `quality` allows (`AutoConfig`; the
-        rule and the measured settings are in docs/auto.md). Rank 0 decides, every rank applies
+        then, per boundary and direction, picks the least compression that keeps the step within
+        `tolerance` of the fastest the ladder allows (once a transfer hides behind compute, more
+        compression buys no speed), among the settings `quality` allows (`AutoConfig`; the rule
+        and the measured settings are in docs/auto.md). Rank 0 decides, every rank applies
         it; the decision goes to the logs, `stats()["auto"]`, the saved plan and the card.
 
             plan = Plan.auto(num_stages=2, micro_batches=4, quality="safe")
@@ -438,7 +440,7 @@ class Plan:
         chosen = sorted(k for k in ("forward", "backward", "boundaries") if k in plan_kwargs)
         if chosen:
             raise ValueError(f"Plan.auto chooses {', '.join(chosen)} itself; drop them, or build Plan(...) by hand.")
-        config = AutoConfig(quality=quality, aqsgd=aqsgd, adapt_every=adapt_every, headroom=headroom,
+        config = AutoConfig(quality=quality, aqsgd=aqsgd, adapt_every=adapt_every, tolerance=tolerance,
                             probe_repeats=probe_repeats)
         return cls(num_stages=num_stages, micro_batches=micro_batches, autotune=config, **plan_kwargs)
 

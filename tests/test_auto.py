@@ -24,6 +24,7 @@ from hf_actcomp.auto import (
     choose_direction,
     ladder,
     payload_nbytes,
+    step_cost,
 )
 from hf_actcomp.cli import main
 from hf_actcomp.debug import debug_model
@@ -35,59 +36,63 @@ RAW = 4 * 128 * 128 * 4
 MBIT = 1e6 / 8  # bytes per second
 
 
-# (bandwidth Mbit/s, rtt ms, budget ms) -> the forward codec of the stateless ladder, and why
+# (bandwidth Mbit/s, rtt ms) -> the forward codec of the stateless ladder, and whether compute hides
+# it; compute 60 ms per micro-batch, 4 micro-batches: more compression must save over 12 ms a step
 CASES = [
-    # the link is fast enough: no compression at all
-    (1000, 0.2, 60, "none", True),
-    (100, 0.2, 60, "none", True),  # 21.2 ms: hidden behind 60 ms of compute
-    # slower: the least compression that fits (8 bits with its scales, 67.6 kB: 45 ms at 12 Mbit/s)
-    (12, 0.2, 60, "quantize8", True),
-    (10, 0.2, 40, "quantize4", True),  # 8 bits: 54 ms, over the budget; 4 bits: 28 ms
-    # nothing fits: the strongest (3 bits), unless a weaker one is within 5% of its time
-    (1, 0.2, 60, "quantize3", False),
-    # the round trip dominates: bytes hardly matter, so the weakest within 5% of the fastest
-    (1000, 400, 60, "none", False),
-    (100, 400, 60, "quantize8", False),
+    (1000, 0.2, "none", True),  # 2.2 ms: nothing to gain
+    (100, 0.2, "quantize8", True),  # uncompressed 21 ms unhidden at fill/drain; 8 bits 5.5 ms, 3 bits 2.2 ms
+    (12, 0.2, "quantize4", True),  # 8 bits 45 ms vs 3 bits 18 ms: 4 bits (23 ms) is within 12 ms
+    (1, 0.2, "quantize3", False),  # link-bound whatever is chosen: the strongest
+    (1000, 400, "none", False),  # the round trip dominates: bytes hardly matter
 ]
 
 
-@pytest.mark.parametrize("mbit,rtt_ms,budget_ms,expected,fits", CASES)
-def test_choose_direction_table(mbit, rtt_ms, budget_ms, expected, fits):
+@pytest.mark.parametrize("mbit,rtt_ms,expected,hidden", CASES)
+def test_choose_direction_table(mbit, rtt_ms, expected, hidden):
+    compute, m = 0.06, 4
     link = Link(bandwidth=mbit * MBIT, rtt=rtt_ms / 1e3)
     rungs = ladder(AutoConfig(), "forward")
-    choice = choose_direction(rungs, link, budget_ms / 1e3, SHAPE, torch.float32)
-    times = {c.describe(): link.seconds(payload_nbytes(c, SHAPE, torch.float32)) for c in rungs}
-    assert (choice["codec"], choice["fits"]) == (expected, fits), times
+    choice = choose_direction(rungs, link, compute, m, 0.05, SHAPE, torch.float32)
+    costs = {c.describe(): step_cost(link.seconds(payload_nbytes(c, SHAPE, torch.float32)), compute, m) for c in rungs}
+    assert (choice["codec"], choice["hidden"]) == (expected, hidden), costs
     assert choice["uncompressed_transfer_seconds"] == pytest.approx(rtt_ms / 2e3 + RAW / (mbit * MBIT))
-    if fits:  # the least compression that fits: every weaker rung does not
-        weaker = [c.describe() for c in rungs[:[c.describe() for c in rungs].index(expected)]]
-        assert all(times[w] > budget_ms / 1e3 for w in weaker)
-        assert times[expected] <= budget_ms / 1e3
-    else:
-        assert all(t > budget_ms / 1e3 for t in times.values())
-        assert times[expected] <= 1.05 * min(times.values())
+    # the least compression within 5% of a step's compute (12 ms) of the cheapest rung
+    names = [c.describe() for c in rungs]
+    assert costs[expected] <= min(costs.values()) + 0.05 * m * compute
+    assert all(costs[weaker] > min(costs.values()) + 0.05 * m * compute for weaker in names[:names.index(expected)])
+    assert choice["step_cost_seconds"] == pytest.approx(costs[expected])
+    # with no tolerance, the cheapest rung itself
+    exact = choose_direction(rungs, link, compute, m, 0.0, SHAPE, torch.float32)
+    assert costs[exact["codec"]] == min(costs.values())
 
 
-def test_choose_per_boundary_headroom_and_replicas_of_the_rule():
-    """Boundaries differ when their links do; the budget is headroom x the busiest stage's compute;
-    the AQ-SGD ladder is used when asked; a wrong count of boundaries is refused."""
+def test_step_cost_counts_fill_and_drain_and_what_compute_cannot_hide():
+    assert step_cost(0.01, 0.05, 4) == pytest.approx(0.01)  # hidden, but the first and last transfer are not
+    assert step_cost(0.08, 0.05, 4) == pytest.approx(0.08 + 4 * 0.03)
+
+
+def test_choose_per_boundary_and_the_tie():
+    """Boundaries differ when their links do; the busiest stage's compute counts; the AQ-SGD
+    ladder is used when asked; the tie's rows take the slowest link; a wrong count of boundaries
+    is refused."""
     fast, slow = Link(1000 * MBIT, 1e-4), Link(10 * MBIT, 1e-4)
-    measured = Measurements(compute=[0.02, 0.04, 0.03], links=[{"forward": fast, "backward": fast},
-                                                                {"forward": slow, "backward": slow}],
-                            payload_shape=SHAPE)
+    links = [{"forward": fast, "backward": fast}, {"forward": slow, "backward": slow}]
+    measured = Measurements(compute=[0.02, 0.04, 0.03], links=links, payload_shape=SHAPE, micro_batches=4)
     decision = choose(measured, AutoConfig())
-    assert decision["budget_seconds"] == pytest.approx(0.04)
+    assert decision["compute_seconds"] == pytest.approx(0.04) and "tie" not in decision
     codecs = [(b["forward"]["codec"], b["backward"]["codec"]) for b in decision["boundaries"]]
-    assert codecs == [("none", "none"), ("quantize4", "quantize6")]  # 4 bits: 28 ms; 6 bits: 41 ms, the last rung
-    assert [decision["boundaries"][1][d]["fits"] for d in ("forward", "backward")] == [True, False]
-    halved = choose(measured, AutoConfig(headroom=0.5))  # 20 ms: not even 3 bits (21 ms) fits
-    assert halved["budget_seconds"] == pytest.approx(0.02)
-    assert halved["boundaries"][1]["forward"]["codec"] == "quantize3"
-    assert not halved["boundaries"][1]["forward"]["fits"]
-    aqsgd = choose(measured, AutoConfig(aqsgd=True))
-    assert aqsgd["boundaries"][1]["forward"]["codec"] == "aqsgd-quantize4 (warm-up hadamard4)"
+    assert codecs == [("none", "none"), ("quantize4", "quantize6")]  # 28 ms; 41 ms, the last rung
+    assert [decision["boundaries"][1][d]["hidden"] for d in ("forward", "backward")] == [True, False]
+    strict = choose(measured, AutoConfig(tolerance=0.0))
+    assert strict["boundaries"][1]["forward"]["codec"] == "quantize3"
+    aqsgd = choose(Measurements(compute=[0.02, 0.04, 0.03], links=links, payload_shape=SHAPE, micro_batches=4,
+                                tie_rows=1000), AutoConfig(aqsgd=True))
+    assert aqsgd["boundaries"][1]["forward"]["codec"] == "aqsgd-quantize2 (warm-up hadamard4)"
     assert aqsgd["boundaries"][1]["backward"]["codec"] == "quantize4"
-    json.dumps(decision)  # broadcast and saved as JSON
+    # 1000 rows x 128 fp32 = 512 kB exact at 10 Mbit/s, once a step: 8 bits 105 ms, 4 bits 54 ms
+    assert aqsgd["tie"]["codec"] == "quantize4" and aqsgd["tie"]["step_cost_seconds"] == pytest.approx(
+        aqsgd["tie"]["transfer_seconds"])
+    json.dumps(aqsgd)  # broadcast and saved as JSON
     with pytest.raises(ValueError, match="3 stages need 2 measured boundaries, got 1"):
         choose(Measurements(compute=[1, 1, 1], links=[{"forward": fast, "backward": fast}], payload_shape=SHAPE),
                AutoConfig())
@@ -145,7 +150,8 @@ def test_the_card_shows_the_choice_and_what_was_measured(tmp_path):
     from hf_actcomp.auto import plan_boundaries
 
     measured = Measurements(compute=[0.03, 0.03], links=[{"forward": Link(10 * MBIT, 0.02),
-                                                          "backward": Link(20 * MBIT, 0.02)}], payload_shape=SHAPE)
+                                                          "backward": Link(20 * MBIT, 0.02)}], payload_shape=SHAPE,
+                            micro_batches=4)
     decision = choose(measured, AutoConfig())
     plan = Plan.auto(num_stages=2)
     plan = Plan(**{**plan.__dict__, "boundaries": plan_boundaries(decision),
@@ -169,13 +175,14 @@ def test_estimate_auto_shows_the_choice_for_given_links(tmp_path, capsys):
            "--auto", "--link", "1gbit,10mbit", "--rtt", "0.1,20", "--compute-seconds", "0.25"]
     assert main(cmd) == 0
     out = capsys.readouterr().out
-    assert "compute budget 62.5 ms per micro-batch" in out
-    assert "boundary 0 forward: none (262144 B" in out
-    assert "boundary 1 forward: quantize4 (34816 B, 37.9 ms vs 219.7 ms uncompressed) on 10.0 Mbit/s" in out
-    assert "boundary 1 backward: quantize6" in out
+    assert "62.5 ms of compute per micro-batch (busiest stage), 4 micro-batches: 250 ms per step" in out
+    assert "boundary 0 forward on 1e+03 Mbit/s, 0.1 ms RTT: none (262144 B" in out
+    assert ("boundary 1 forward on 10 Mbit/s, 20 ms RTT: quantize4 (34816 B: 37.9 ms, +37.9 ms per step; "
+            "uncompressed 219.7 ms, +848.6 ms) [hidden]") in out
+    assert "boundary 1 backward on 10 Mbit/s, 20 ms RTT: quantize6" in out
     assert main(cmd + ["--json", "--aqsgd"]) == 0
     decision = json.loads(capsys.readouterr().out)
-    assert decision["boundaries"][1]["forward"]["codec"] == "aqsgd-quantize4 (warm-up hadamard4)"
+    assert decision["boundaries"][1]["forward"]["codec"] == "aqsgd-quantize2 (warm-up hadamard4)"
     assert main(cmd + ["--link", "1gbit,10mbit,5mbit"]) == 2
     assert "gives 3 values; give one, or one per boundary (2)" in capsys.readouterr().err
     assert main(cmd[:-2]) == 2
@@ -195,7 +202,7 @@ def test_slowed_boundary_gets_a_stronger_codec_and_every_rank_agrees(tmp_path):
         ("none", "none"), ("quantize3", "quantize6")]
     decision = plan.autotune.decision
     assert decision["measurements"]["faked"]["1"]["forward"]["bandwidth_mbit_s"] == 0.1
-    assert [b["forward"]["fits"] for b in decision["boundaries"]] == [True, False]
+    assert [b["forward"]["hidden"] for b in decision["boundaries"]] == [True, False]
     # The tied embedding (GPT-2): its rows take the slowest link, so they get 8 bits too
     assert plan.tie_compression.describe() == "quantize8" and decision["tie"]["codec"] == "quantize8"
     assert decision["measurements"]["tie_rows"] == torch.unique(next(training_batches(256, 1))["input_ids"]).numel()
@@ -220,10 +227,10 @@ def test_slowed_boundary_gets_a_stronger_codec_and_every_rank_agrees(tmp_path):
 
 
 def test_adapted_run_is_exact_until_it_switches_and_keeps_aqsgd_memory(tmp_path):
-    """Plan.auto(aqsgd=True, adapt_every=2) with the test hook: a fast link for 2 optimizer steps
-    (`none`: losses and weights equal a plain run's, bit for bit), then slower (AQ-SGD 4 bits, its
-    memory started empty), then slower again (2 bits, memory kept: the seen samples go on from 8
-    to 12). Both ends' memories stay equal; a fresh pipeline loading the state takes the codecs
+    """Plan.auto(aqsgd=True, adapt_every=2) with the test hook (10 ms of compute per micro-batch):
+    a fast link for 2 optimizer steps (`none`: losses and weights equal a plain run's, bit for
+    bit), then 5 Mbit/s (AQ-SGD 4 bits, its memory started empty; gradients 6 bits), then 0.5
+    Mbit/s (2 bits, memory kept: the seen samples go on from 8 to 12; gradients 4 bits). Both ends' memories stay equal; a fresh pipeline loading the state takes the codecs
     back with it."""
     run_workers("auto_worker.py", 2, ["adapt", str(tmp_path)], timeout=240)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -233,8 +240,9 @@ def test_adapted_run_is_exact_until_it_switches_and_keeps_aqsgd_memory(tmp_path)
         switches = [(s["optimizer_step"], s["channel"], s["to"], s["memory"]) for s in r["stats"]["auto"]["switches"]]
         assert switches == [
             (2, "boundary0.forward", "aqsgd-quantize4 (warm-up hadamard4)", "AQ-SGD memory started empty"),
-            (2, "boundary0.backward", "quantize4", ""),
-            (4, "boundary0.forward", "aqsgd-quantize2 (warm-up hadamard4)", "AQ-SGD memory kept")]
+            (2, "boundary0.backward", "quantize6", ""),
+            (4, "boundary0.forward", "aqsgd-quantize2 (warm-up hadamard4)", "AQ-SGD memory kept"),
+            (4, "boundary0.backward", "quantize4", "")]
         assert r["resumed"] == ["aqsgd-quantize2 (warm-up hadamard4)", "quantize4"]
         assert r["resumed_checksum"] == r["checksum"] != 0.0
     assert results[0]["checksum"] == results[1]["checksum"]  # the sender's mirror equals the receiver's memory

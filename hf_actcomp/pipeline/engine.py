@@ -365,7 +365,7 @@ class Pipeline(nn.Module):
         if config.decision is None and self.plan.tie_compression is None and self.tie is not None and self.tie.active:
             tie_rows = int(TiedEmbedding.rows_of(input_ids).numel())  # known on rank 0 (the first stage)
         decision = agree(config, self.mesh, compute, links, shape, self.boundary_dtype, self.device, counter,
-                         tie_rows)
+                         len(micro), tie_rows)
         decision["optimizer_step"] = self._optimizer_steps
         self._apply_decision(decision)
         self.seconds_probing += time.perf_counter() - start

@@ -84,7 +84,7 @@ def measure_links(transport: Transport, mesh: PipelineMesh, device: torch.device
 
 def agree(config: AutoConfig, mesh: PipelineMesh, compute: float, links: dict[tuple[int, str], Link],
           shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-          counter: TrafficCounter, tie_rows: int | None = None) -> dict:
+          counter: TrafficCounter, micro_batches: int, tie_rows: int | None = None) -> dict:
     """Every rank's measurements to global rank 0, which decides (`auto.choose`; `tie_rows`, known
     there, when the tie's codec is to be chosen too) and broadcasts the decision; returns it on
     every rank. Collective over the whole job. With replicas, each stage's slowest compute and each
@@ -100,7 +100,7 @@ def agree(config: AutoConfig, mesh: PipelineMesh, compute: float, links: dict[tu
     counter.add((world - 1) * local.numel() * 8, (world - 1) * local.numel() * 8)  # as a ring all-gather sends
     if dist.get_rank() == 0:
         rows = [p.tolist() for p in parts]
-        payload = json.dumps(decide(config, mesh.num_stages, rows, shape, dtype, tie_rows)).encode()
+        payload = json.dumps(decide(config, mesh.num_stages, rows, shape, dtype, micro_batches, tie_rows)).encode()
         length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     else:
         length = torch.empty(1, dtype=torch.int64, device=device)
@@ -114,7 +114,7 @@ def agree(config: AutoConfig, mesh: PipelineMesh, compute: float, links: dict[tu
 
 
 def decide(config: AutoConfig, num_stages: int, rows: list[list[float]], shape, dtype: torch.dtype,
-           tie_rows: int | None = None) -> dict:
+           micro_batches: int, tie_rows: int | None = None) -> dict:
     """Rank 0: the gathered rows (stage, compute, forward link of its boundary, backward link of
     the one before) as `Measurements`, the fake-link hook applied, then `choose`."""
     compute = [0.0] * num_stages
@@ -130,8 +130,8 @@ def decide(config: AutoConfig, num_stages: int, rows: list[list[float]], shape, 
             if old is None or bandwidth < old.bandwidth:
                 links[b][direction] = Link(bandwidth=bandwidth, rtt=max(rtt, old.rtt if old else 0.0))
     faked = _fake(links, compute)
-    measured = Measurements(compute=compute, links=links, payload_shape=tuple(shape), dtype=dtype, tie_rows=tie_rows,
-                            extra={"faked": faked} if faked else {})
+    measured = Measurements(compute=compute, links=links, payload_shape=tuple(shape), micro_batches=micro_batches,
+                            dtype=dtype, tie_rows=tie_rows, extra={"faked": faked} if faked else {})
     return choose(measured, config)
 
 

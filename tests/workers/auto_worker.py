@@ -48,7 +48,7 @@ def adapt(out_dir: str) -> dict:
     pipe = hf_actcomp.prepare(debug_model("gpt2", seed=0), plan, timeout=60)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
     losses, seen, equal_after_two = [], [], None
-    slower = {2: 1.0, 4: 0.5}  # Mbit/s from the step with this index on
+    slower = {2: 5.0, 4: 0.5}  # Mbit/s from the step with this index on
     for i, batch in enumerate(training_batches(pipe.config.vocab_size, 6)):
         if i in slower:
             os.environ[FAKE_LINKS_ENV] = json.dumps({"compute_ms": 10, "0": link(slower[i])})
