@@ -283,6 +283,8 @@ def two_processes(tmp_path_factory):
                   "model_path": str(root / "checkpoint")},
         "lora": {"plan": {"num_stages": 2}, "lora": True, "save": str(root / "adapter")},
         "bf16_lora": {"plan": {"num_stages": 2}, "lora": True, "dtype": "bfloat16", "args": {"bf16": True}},
+        # Plan.auto under Trainer: measured at the first step, saved with the model
+        "auto": {"plan": Plan.auto(num_stages=2, micro_batches=2).to_dict(), "save": str(root / "auto")},
     }
     run_workers("trainer_worker.py", 2, [json.dumps({"runs": runs}), str(root)], timeout=600)
     return root
@@ -347,6 +349,20 @@ def test_distributed_matches_plain_trainer(tmp_path, request, data_parallel):
         if data_parallel == 1:  # replicas pad their own half-batches, so their token counts differ
             # Trainer sums the ranks' flop estimates: each rank counts its stage's share, once.
             assert result["total_flos"] == pytest.approx(reference.state.total_flos, rel=1e-9)
+
+
+def test_distributed_plan_auto_is_measured_and_saved(two_processes):
+    """ActCompTrainer with Plan.auto on 2 processes: both ranks trained under the same chosen
+    codecs, and the saved plan and card hold the decision."""
+    out, results = _results(two_processes, "auto", 2)
+    assert all(r["losses"] and all(math.isfinite(x) for x in r["losses"]) for r in results)
+    saved = Plan.from_pretrained(two_processes / "auto")
+    assert saved.autotune is not None and saved.autotune.decision is not None
+    assert saved.boundaries is not None and len(saved.boundaries) == 1
+    chosen = saved.autotune.decision["boundaries"][0]["forward"]["codec"]
+    assert saved.forward_at(0).describe() == chosen
+    card = (two_processes / "auto" / "README.md").read_text()
+    assert "codecs chosen by | `Plan.auto` (quality safe) from measured links (boundary 0:" in card
 
 
 def _token_weighted_loss(model, dataset, batch_size: int) -> float:
