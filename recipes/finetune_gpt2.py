@@ -266,6 +266,8 @@ def main(argv=None) -> dict:
     module, rank = (runner.stage, accelerator.process_index) if distributed else (pipeline.model, 0)
     step, start_epoch, skip, history = 0, 0, 0, []  # history: for the curves next to the model
     if resume_from is not None:
+        if distributed:  # Plan.auto: the codecs chosen before, so that their state loads back
+            runner.restore_auto_decision(os.path.join(resume_from, "actcomp_state"))
         # Weights, optimizer, compression state, RNG and the epoch's data order, as they were.
         done = load_training_state(resume_from, rank=rank, module=module, optimizer=optimizer,
                                    compression=pipeline.compression, generator=generator)

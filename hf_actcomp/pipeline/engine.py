@@ -790,11 +790,19 @@ class Pipeline(nn.Module):
     def load_compression_state(self, directory: str | os.PathLike) -> None:
         """Read this rank's state saved by `save_compression_state` under the same plan. Under
         `Plan.auto`, the codecs chosen when it was saved are taken back first (the state is theirs)."""
-        if self.plan.autotune is not None:
-            saved = Plan.from_dict(checkpoint.saved_metadata(directory, self.compression.rank)["plan"])
-            if saved.autotune is not None and saved.autotune.decision is not None:
-                self._apply_decision(saved.autotune.decision, why="resumed")
+        self.restore_auto_decision(directory)
         self.compression.load(directory)
+
+    def restore_auto_decision(self, directory: str | os.PathLike) -> None:
+        """Under `Plan.auto`: take back the codecs chosen when the compression state in `directory`
+        was saved (its metadata holds the plan), so that the state loads into the ends it belongs
+        to. A no-op for any other plan. `load_compression_state` calls it; call it yourself before
+        reading the state another way (`hf_actcomp.training_state.load_training_state`)."""
+        if self.plan.autotune is None:
+            return
+        saved = Plan.from_dict(checkpoint.saved_metadata(directory, self.compression.rank)["plan"])
+        if saved.autotune is not None and saved.autotune.decision is not None:
+            self._apply_decision(saved.autotune.decision, why="resumed")
 
     def register_for_checkpointing(self, accelerator) -> None:
         """Make `accelerator.save_state(dir)` / `load_state(dir)` also save / load every rank's
