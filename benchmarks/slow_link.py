@@ -53,6 +53,12 @@ def sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True)
 
 
+def shape_device(ns: str, dev: str, mbit: int) -> None:
+    """`tc tbf` on `dev`'s egress in namespace `ns`: `mbit` Mbit/s, 64 kB burst, 50 ms queue."""
+    sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
+       "burst", "64kb", "latency", "50ms")
+
+
 class LinkedNamespaces:
     """Two namespaces joined by a veth pair with addresses 10.231.<x>.1 and .2 (ours only)."""
 
@@ -76,12 +82,57 @@ class LinkedNamespaces:
 
     def shape(self, mbit: int) -> None:
         for ns, dev in zip(self.ns, self.dev, strict=True):
-            sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
-               "burst", "64kb", "latency", "50ms")
+            shape_device(ns, dev, mbit)
 
     def __exit__(self, *exc) -> None:
         for ns in self.ns:
             subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+class NamespaceChain(LinkedNamespaces):
+    """`n` namespaces in a line, one per pipeline stage: boundary b is a veth pair between
+    namespaces b and b+1 (subnet 10.<240+b>.<x>.0/24, ends .1 and .2, ours only). Every namespace
+    forwards IP and routes the subnets beyond its neighbours through them, so ranks that are not
+    neighbours (the tie's first and last stage, gloo's collectives) reach each other across the
+    boundaries between them. `ns`, `dev` and `addr` are per rank: its namespace, and the interface
+    and address gloo uses (a rank's end of its forward boundary; the last rank's end of its
+    backward one). `shape(mbit, boundaries)` shapes only the given boundaries: the others stay
+    unshaped veth (about loopback's speed)."""
+
+    def __init__(self, n: int) -> None:
+        tag = os.getpid() % 100000
+        subnet = 10 + tag % 200
+        self.ns = tuple(f"acC{tag}s{i}" for i in range(n))
+        # boundary b: (device in namespace b, device in namespace b + 1), (their addresses)
+        self.pairs = [(f"c{tag}b{b}l", f"c{tag}b{b}r") for b in range(n - 1)]
+        self.ends = [(f"10.{240 + b}.{subnet}.1", f"10.{240 + b}.{subnet}.2") for b in range(n - 1)]
+        self.subnets = [f"10.{240 + b}.{subnet}.0/24" for b in range(n - 1)]
+        self.dev = tuple(self.pairs[i][0] if i < n - 1 else self.pairs[-1][1] for i in range(n))
+        self.addr = tuple(self.ends[i][0] if i < n - 1 else self.ends[-1][1] for i in range(n))
+
+    def __enter__(self) -> NamespaceChain:
+        for ns in self.ns:
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        for b, (devs, addrs) in enumerate(zip(self.pairs, self.ends, strict=True)):
+            sh("ip", "link", "add", devs[0], "type", "veth", "peer", "name", devs[1])
+            for ns, dev, addr in zip(self.ns[b:b + 2], devs, addrs, strict=True):
+                sh("ip", "link", "set", dev, "netns", ns)
+                sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                sh("ip", "-n", ns, "link", "set", dev, "up")
+        for i, ns in enumerate(self.ns):  # farther subnets through the neighbour on their side
+            for b, subnet in enumerate(self.subnets):
+                if b < i - 1:
+                    sh("ip", "-n", ns, "route", "add", subnet, "via", self.ends[i - 1][0])
+                elif b > i:
+                    sh("ip", "-n", ns, "route", "add", subnet, "via", self.ends[i][1])
+        return self
+
+    def shape(self, mbit: int, boundaries: list[int] | None = None) -> None:
+        for b in range(len(self.pairs)) if boundaries is None else boundaries:
+            for ns, dev in zip(self.ns[b:b + 2], self.pairs[b], strict=True):
+                shape_device(ns, dev, mbit)
 
 
 def run_pair(link: str, worker_args: list[str], namespaces: LinkedNamespaces | None, port: int,

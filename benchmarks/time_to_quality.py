@@ -19,6 +19,22 @@ whose loss is at most the target plus `--tolerance` (relative). Needs root (name
     .venv/bin/python benchmarks/time_to_quality.py --quick --loopback  # a smoke run
     .venv/bin/python benchmarks/time_to_quality.py --replot          # table and plot from the saved JSON
 
+Plan.auto against the fixed settings (issue 27): "ours, auto" measures the links and compute at its
+first step and picks the codecs (the probe's time and bytes count in its run). `--stages 3
+--shaped 1` runs 3 processes in a chain of namespaces (benchmarks/slow_link.py `NamespaceChain`)
+whose boundary 1 is shaped to `--rate` and boundary 0 is an unshaped veth pair: a mixed link.
+
+    sudo OMP_NUM_THREADS=1 .venv/bin/python benchmarks/time_to_quality.py --rate 10 --stop_at_target 4.4803 \
+        --name time_to_quality_auto_10mbit --methods "ours, uncompressed" "ours, auto" \
+        "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q8" \
+        "ours, Hadamard fw4/bw8, tie q8"
+    sudo OMP_NUM_THREADS=1 .venv/bin/python benchmarks/time_to_quality.py --stages 3 --shaped 1 --rate 10 \
+        --stop_at_target 4.4803 --name time_to_quality_auto_3stage_mixed --methods "ours, uncompressed" \
+        "ours, auto" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, Hadamard fw4/bw8, tie q8" \
+        "ours, AQ-SGD fw4/bw8, warm-up h4, tie q8"
+
+A results file's hand-written `## Analysis` section is kept when it is written again.
+
 Writes benchmarks/results/time_to_quality.{json,md,png}.
 """
 
@@ -36,8 +52,8 @@ import torch
 from finetune_quality import corpora, pretrain
 from launch import median, ratio_spread, run_workers
 from safetensors.torch import save_file
-from slow_link import LinkedNamespaces
-from time_to_quality_worker import BASE, METHODS, PEER
+from slow_link import LinkedNamespaces, NamespaceChain, table
+from time_to_quality_worker import AUTO, BASE, METHODS, PEER, SPLIT_POINTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -72,7 +88,7 @@ def summarize(rows: list[dict], args) -> tuple[float, list[dict]]:
         r["seconds_to_target"] = point and point["seconds"]
         r["steps_to_target"] = point and point["step"]
     summary = []
-    peer = [r["seconds_to_target"] for r in rows if r["method"] == PEER]
+    peer = [r["seconds_to_target"] for r in rows if r["method"] == reference(rows)]
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == method]
         times = [r["seconds_to_target"] for r in mine]
@@ -96,12 +112,46 @@ def summarize(rows: list[dict], args) -> tuple[float, list[dict]]:
     return target, summary
 
 
+def reference(rows: list[dict]) -> str:
+    """What speed-ups are over: torch.distributed.pipelining where it ran, else ours uncompressed."""
+    return PEER if any(r["method"] == PEER for r in rows) else BASE
+
+
+def fixed(summary: list[dict]) -> list[dict]:
+    """The compressed methods with fixed settings (neither uncompressed nor auto)."""
+    return [s for s in summary if s["method"] not in (PEER, BASE, AUTO)]
+
+
+def auto_vs_fixed(rows: list[dict], summary: list[dict]) -> dict | None:
+    """Auto against the fixed setting with the shortest median time to target in the same run:
+    the ratio of the medians with its range (`ratio_spread`), the per-round ratios (same round,
+    run minutes apart), and against every fixed setting."""
+    auto = next((s for s in summary if s["method"] == AUTO), None)
+    done = [s for s in fixed(summary) if s["seconds_to_target"] is not None]
+    if auto is None or auto["seconds_to_target"] is None or not done:
+        return None
+    times = lambda method: [r["seconds_to_target"] for r in rows if r["method"] == method]  # noqa: E731
+    by_round = lambda method: {r["round"]: r["seconds_to_target"] for r in rows if r["method"] == method}  # noqa: E731
+    mine = by_round(AUTO)
+    others = []
+    for s in sorted(done, key=lambda s: s["seconds_to_target"]):
+        ratio, low, high = ratio_spread(times(AUTO), times(s["method"]))
+        theirs = by_round(s["method"])
+        others.append(dict(method=s["method"], ratio=ratio, ratio_min=low, ratio_max=high,
+                           per_round=[mine[k] / theirs[k] for k in sorted(mine) if k in theirs]))
+    unreached = [s["method"] for s in fixed(summary) if s["seconds_to_target"] is None]
+    return dict(best=others[0]["method"], ratio=others[0]["ratio"], ratio_min=others[0]["ratio_min"],
+                ratio_max=others[0]["ratio_max"], per_round=others[0]["per_round"], every=others,
+                unreached=unreached)
+
+
 def median_round(mine: list[dict]) -> dict:
     """The round with the median training time."""
     return sorted(mine, key=lambda r: r["train_seconds"])[(len(mine) - 1) // 2]
 
 
-CATEGORIES = ("activations", "activation_gradients", "tie", "collectives")
+CATEGORIES = ("activations", "activation_gradients", "tie", "collectives", "probe")
+MB_COLUMNS = [f"{c.replace('_', ' ')} MB" for c in CATEGORIES]
 
 
 def time_table(summary: list[dict]) -> list[str]:
@@ -110,16 +160,17 @@ def time_table(summary: list[dict]) -> list[str]:
     rows = [s for s in summary if s.get("steady_state")]
     if not rows:
         return []
-    lines = ["", "Where the time goes in the steady state (from the second epoch on, AQ-SGD's memory full; median "
-             "round by training time): seconds per step of each stage computing (forward, backward, encoding, "
-             "decoding) and waiting on its peer, and MB sent per step by category over both ranks (the peer's are "
-             "the tensor sizes: fp32 activations, their gradients, and the all-reduce of the tied weight).", "",
-             "| method | s/step | stage 0 compute / wait | stage 1 compute / wait | "
-             + " | ".join(f"{c.replace('_', ' ')} MB" for c in CATEGORIES) + " | MB/step | byte ratio |",
-             "|---|---|---|---|" + "---|" * len(CATEGORIES) + "---|---|"]
+    n = len(rows[0]["steady_state"]["stages"])
+    lines = table(
+        "Where the time goes in the steady state (from the second epoch on, AQ-SGD's memory full; median round by "
+        "training time): seconds per step of each stage computing (forward, backward, encoding, decoding) and "
+        "waiting on its peers, and MB sent per step by category over all ranks (the peer's are the tensor sizes: "
+        "fp32 activations, their gradients, and the all-reduce of the tied weight; auto's probe ran in the first "
+        "step, so it is 0 here: see the whole run below).",
+        ["method", "s/step", *(f"stage {k} compute / wait" for k in range(n)), *MB_COLUMNS, "MB/step", "byte ratio"])
     for s in rows:
         st = s["steady_state"]
-        stages = [st["stages"][k] for k in sorted(st["stages"])]
+        stages = [st["stages"][k] for k in sorted(st["stages"], key=int)]
         parts = " | ".join(f"{t['seconds_computing']:.3f} / {t['seconds_waiting']:.3f}" for t in stages)
         mb = " | ".join(f"{st['categories'].get(c, {}).get('bytes_sent', 0) / 1e6:.3f}" for c in CATEGORIES)
         lines.append(f"| {s['method']} | {max(t['seconds_step'] for t in stages):.3f} | {parts} | {mb} | "
@@ -127,22 +178,111 @@ def time_table(summary: list[dict]) -> list[str]:
     return lines
 
 
+def regime(summary: list[dict]) -> list[str]:
+    """Link- or compute-bound, from ours-uncompressed's steady state: the stage that waits most,
+    its seconds waiting on its peers against computing."""
+    base = next((s for s in summary if s["method"] == BASE and s.get("steady_state")), None)
+    if base is None:
+        return []
+    stages = base["steady_state"]["stages"]
+    k = max(stages, key=lambda k: stages[k]["seconds_waiting"])
+    t = stages[k]
+    bound = "link-bound" if t["seconds_waiting"] > t["seconds_computing"] else "compute-bound"
+    return ["", f"Regime: **{bound}** uncompressed. Ours uncompressed's steady-state step takes "
+                f"{t['seconds_step']:.3f} s, of which stage {k} (the one waiting most) computes "
+                f"{t['seconds_computing']:.3f} s and waits {t['seconds_waiting']:.3f} s on its peers (the link, and "
+                "the pipeline's fill and drain)."]
+
+
+def whole_run(rows: list[dict], summary: list[dict]) -> list[str]:
+    """MB per category over the whole run (median round by training time; the probe's bytes
+    included), with the run's steps and training seconds."""
+    mine = [median_round([r for r in rows if r["method"] == s["method"]]) for s in summary]
+    mine = [r for r in mine if r.get("categories")]
+    if not mine:
+        return []
+    lines = table("The whole run (median round by training time): steps, training seconds (probe included), and MB "
+                  "sent by category over all ranks.", ["method", "steps", "training s", *MB_COLUMNS, "total MB"])
+    for r in mine:
+        mb = " | ".join(f"{r['categories'].get(c, 0) / 1e6:.3f}" for c in CATEGORIES)
+        lines.append(f"| {r['method']} | {r['steps']} | {r['train_seconds']:.1f} | {mb} | "
+                     f"{sum(r['categories'].values()) / 1e6:.3f} |")
+    return lines
+
+
+def auto_section(rows: list[dict], summary: list[dict]) -> list[str]:
+    """What auto measured and chose in each round, what its probe cost, and auto against the
+    best fixed setting of the same run (the targets of issue 27: within 5% of it on a uniform
+    link, faster than every fixed setting on a mixed one)."""
+    mine = sorted((r for r in rows if r.get("auto")), key=lambda r: r["round"])
+    if not mine:
+        return []
+    boundaries = range(len(mine[0]["auto"]["boundaries"]))
+    columns = ["round", *(f"boundary {b} forward / backward" for b in boundaries), "tie",
+               *(f"boundary {b} measured fw / bw" for b in boundaries), "compute ms per micro-batch", "probe s",
+               "probe MB", "seconds to target"]
+    lines = table("What auto measured and chose, per round (at its first step; `quality=\"safe\"`, `aqsgd=True`, "
+                  "the tie's codec left to it). Measured: bandwidth in Mbit/s and round trip in ms per boundary and "
+                  "direction, as the probe saw them; compute: seconds per micro-batch (forward + backward) per "
+                  "stage. The probe's seconds (the slowest stage's; inside the training seconds) and bytes "
+                  "(counted under `probe`, inside MB/step) are part of what auto costs.", columns)
+    for r in mine:
+        a = r["auto"]
+        links = a["decision"]["measurements"]["links"]
+        chosen = " | ".join(f"{b['forward']} / {b['backward']}" for b in a["boundaries"])
+        measured = " | ".join(" / ".join(f"{link[d]['bandwidth_mbit_s']:.1f} Mbit/s, {link[d]['rtt_ms']:.2f} ms"
+                                         for d in ("forward", "backward")) for link in links)
+        compute = ", ".join(f"{1e3 * c:.1f}" for c in a["decision"]["measurements"]["compute_seconds_per_micro_batch"])
+        seconds = "not reached" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.1f}"
+        lines.append(f"| {r['round']} | {chosen} | {a['tie'] or 'as set'} | {measured} | {compute} | "
+                     f"{a['probe_seconds']:.2f} | {a['probe_bytes'] / 1e6:.3f} | {seconds} |")
+    versus = auto_vs_fixed(rows, summary)
+    if versus is None:
+        return lines + ["", "Auto or every fixed setting did not reach the target in every round: no ratio."]
+    per_round = ", ".join(f"{x:.3f}" for x in versus["per_round"])
+    within = versus["ratio"] <= 1.05
+    faster = all(o["ratio"] < 1 for o in versus["every"]) and not versus["unreached"]
+    lines += ["", f"Auto / the best fixed setting of this run ({versus['best']}): **{versus['ratio']:.3f}** "
+                  f"[{versus['ratio_min']:.3f}-{versus['ratio_max']:.3f}] (ratio of the median seconds to target, "
+                  f"[auto's fastest round over its slowest, and the reverse]); per round {per_round}. Within 5% of "
+                  f"it: **{'yes' if within else 'no'}**. Faster than every fixed setting (ratio of the medians under "
+                  f"1): **{'yes' if faster else 'no'}**.", "",
+              *table("", ["auto / fixed setting", "ratio of medians [range]", "per round"])[3:]]
+    for o in versus["every"]:
+        lines.append(f"| {o['method']} | {o['ratio']:.3f} [{o['ratio_min']:.3f}-{o['ratio_max']:.3f}] | "
+                     + ", ".join(f"{x:.3f}" for x in o["per_round"]) + " |")
+    lines += [f"| {m} | not reached |  |" for m in versus["unreached"]]
+    return lines
+
+
+def analysis(path: str) -> list[str]:
+    """The hand-written `## Analysis` section of an existing results file, kept on rewriting."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        text = f.read()
+    at = text.find("\n## Analysis")
+    return ["", *text[at + 1:].rstrip("\n").split("\n")] if at >= 0 else []
+
+
 def write(rows: list[dict], meta: dict) -> None:
     args = argparse.Namespace(**meta["args"])
+    stages = getattr(args, "stages", 2)
     target, summary = summarize(rows, args)
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
         json.dump({"meta": meta, "target": target, "summary": summary, "rows": rows}, f, indent=1)
+    split = "" if stages == 2 else f", split at blocks {SPLIT_POINTS[stages]}"
     lines = [
         f"Fine-tuning the pre-trained GPT-2-style model of benchmarks/finetune_quality.py (4 layers, hidden 128, "
         f"vocab {meta['vocab']}, tied embeddings) on {meta['train_blocks']} blocks of {args.seq_len} tokens of stdlib "
         f"source, batch {args.batch_size} in {args.micro_batches} micro-batches, 1F1B, AdamW lr {args.lr}, seed "
-        f"{args.seed}; 2 processes (1 CPU thread each) on the link **{meta['link']}**. Target: ours-uncompressed's "
+        f"{args.seed}; {stages} processes (1 CPU thread each{split}) on the link **{meta['link']}**. Target: ours-uncompressed's "
         f"eval loss after {args.epochs} epochs, {target:.4f} (median of {args.repeats} rounds; {meta['eval_blocks']} "
         f"held-out blocks, plain inference); a run reaches it at its first evaluation (every {args.eval_every} steps) "
         f"at most {100 * args.tolerance:.2f}% above it. Seconds count training only (the clock stops for "
         f"evaluations), from the first step: AQ-SGD's first epoch is inside (uncompressed first visits, or the "
-        f"warm-up codec where named). Uncompressed methods run {args.epochs} epochs, compressed ones up to "
+        f"warm-up codec where named), and so is auto's probe (its links and compute measured at the first step). Uncompressed methods run {args.epochs} epochs, compressed ones up to "
         f"{args.max_epochs}"
         + ("" if getattr(args, "stop_at_target", None) is None else
            f", stopping at their first evaluation within {100 * args.tolerance:.2f}% of {args.stop_at_target} (the "
@@ -150,7 +290,7 @@ def write(rows: list[dict], meta: dict) -> None:
         + f". Each method ran in {args.repeats} rounds in "
         "alternating order: median [fastest-slowest]; speed-up: ratio of the medians [range over the rounds].",
         "",
-        "| method | seconds to target | steps to target | speed-up vs torch.distributed.pipelining | s/step "
+        f"| method | seconds to target | steps to target | speed-up vs {reference(rows)} | s/step "
         "| MB/step | byte ratio | final eval loss (epochs) | other CPU |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -164,7 +304,8 @@ def write(rows: list[dict], meta: dict) -> None:
                      f"{s['bytes_per_step'] / 1e6:.3f} | {s['byte_ratio']:.1f}x | {s['final_eval_loss']:.4f} "
                      f"({'stopped at the target' if s.get('stopped_at_target') else s['epochs']}) | "
                      f"{100 * s['other_cpu_share']:.0f}% |")
-    lines += time_table(summary)
+    lines += regime(summary) + auto_section(rows, summary) + time_table(summary) + whole_run(rows, summary)
+    lines += analysis(os.path.join(RESULTS, f"{args.name}.md"))
     with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -174,6 +315,7 @@ def write(rows: list[dict], meta: dict) -> None:
 def plot(rows: list[dict], summary: list[dict], target: float, meta: dict, path: str) -> None:
     """Eval loss against training seconds, one line per method (its median round by time to target,
     or by training time), with the target."""
+    args = argparse.Namespace(**meta["args"])
     import matplotlib
 
     matplotlib.use("Agg")
@@ -198,7 +340,8 @@ def plot(rows: list[dict], summary: list[dict], target: float, meta: dict, path:
     ax.set_ylim(target - 0.05, min(top, target + 0.4))
     ax.set_xlabel("training seconds")
     ax.set_ylabel("eval loss (stdlib source)")
-    ax.set_title(f"Time to quality on {meta['link']}: 2 pipeline stages, median round")
+    ax.set_title(f"Time to quality on {meta['link']}: {getattr(args, 'stages', 2)} pipeline stages, median round",
+                 fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -208,6 +351,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rate", type=int, default=100, help="Mbit/s of the shaped link")
     p.add_argument("--loopback", action="store_true", help="127.0.0.1, unshaped (no root needed)")
+    p.add_argument("--stages", type=int, default=2, choices=sorted(SPLIT_POINTS),
+                   help="pipeline stages, one process and namespace each (3: torch.distributed.pipelining not run)")
+    p.add_argument("--shaped", type=int, nargs="+", default=None,
+                   help="the boundaries shaped to --rate (default: all); the others are unshaped veth pairs")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--epochs", type=int, default=4, help="the uncompressed fine-tune (finetune_quality.py's)")
     p.add_argument("--max_epochs", type=int, default=6, help="the most a compressed setting may train")
@@ -230,6 +377,9 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=7200)
+    p.add_argument("--data", default=None,
+                   help="keep the pre-trained weights and tokens in this file and reuse them when it exists "
+                        "(a run with the same data and pre-training arguments wrote it; default: a temporary file)")
     p.add_argument("--name", default="time_to_quality", help="results file name in benchmarks/results/")
     p.add_argument("--quick", action="store_true", help="1 pre-training epoch, 1-2 fine-tuning epochs, 3 methods")
     p.add_argument("--replot", action="store_true", help="rewrite the table and plot from the saved JSON")
@@ -244,23 +394,35 @@ def main(argv=None) -> None:
         args.repeats, args.name = 1, f"{args.name}_quick"
         if args.methods == list(METHODS):
             args.methods = [PEER, BASE, "ours, AQ-SGD fw2/bw4"]
+    if args.stages != 2 and PEER in args.methods:
+        p.error(f"{PEER} runs on 2 stages only")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the namespaces are removed
     link = "loopback (unshaped)" if args.loopback else f"{args.rate} Mbit/s"
+    shaped = list(range(args.stages - 1)) if args.shaped is None else args.shaped
+    if not args.loopback and shaped != list(range(args.stages - 1)):
+        link = ", ".join(f"boundary {b} {f'{args.rate} Mbit/s' if b in shaped else 'unshaped veth'}"
+                         for b in range(args.stages - 1))
     with tempfile.TemporaryDirectory(prefix="time_to_quality_") as tmp:
-        data = os.path.join(tmp, "data.safetensors")
-        prepare_data(data, args)
+        data = args.data or os.path.join(tmp, "data.safetensors")
+        if not os.path.exists(data):
+            prepare_data(data, args)
         worker_args = [f"--data={data}", f"--scratch={tmp}", "--methods", *args.methods]
         if args.stop_at_target is not None:
             worker_args.append(f"--stop_below={args.stop_at_target * (1 + args.tolerance)}")
         worker_args += [f"--{k}={getattr(args, k)}" for k in ("epochs", "max_epochs", "eval_every", "batch_size",
-                                                               "micro_batches", "seq_len", "lr", "seed", "repeats")]
+                                                               "micro_batches", "seq_len", "lr", "seed", "repeats",
+                                                               "stages")]
         port = 29600 + os.getpid() % 1000
         if args.loopback:
-            rows = run_workers(WORKER, 2, link, worker_args, None, port, args.timeout)["rows"]
-        else:
+            rows = run_workers(WORKER, args.stages, link, worker_args, None, port, args.timeout)["rows"]
+        elif args.stages == 2 and args.shaped is None:  # as the earlier runs
             with LinkedNamespaces() as net:
                 net.shape(args.rate)
                 rows = run_workers(WORKER, 2, link, worker_args, net, port, args.timeout)["rows"]
+        else:
+            with NamespaceChain(args.stages) as net:
+                net.shape(args.rate, shaped)
+                rows = run_workers(WORKER, args.stages, link, worker_args, net, port, args.timeout)["rows"]
         with open(data + ".json") as f:
             sizes = json.load(f)
     meta = {"args": vars(args), "link": link, "torch": torch.__version__, "python": platform.python_version(),

@@ -9,10 +9,14 @@ the held-out blocks each (the link carries only the two sums). Every method runs
 round (`--repeats`), in the order of benchmarks/launch.py `round_order`.
 
 Methods: torch.distributed.pipelining (Schedule1F1B over the same stage modules, plus the
-all-reduce of the tied embedding's gradient that a user has to write), and hf-actcomp
-uncompressed and compressed. The uncompressed methods run `--epochs` (the fine-tune of
-benchmarks/finetune_quality.py); the compressed ones up to `--max_epochs`, so that a setting
-slightly worse per step can still show when it gets there.
+all-reduce of the tied embedding's gradient that a user has to write; 2 stages only), and
+hf-actcomp uncompressed, compressed with fixed settings (the same on every boundary), and
+`Plan.auto` ("ours, auto": the pipeline measures its links and compute at the first step and picks
+each boundary direction's codec and the tie's; the probe's seconds are inside the run's clock and
+its bytes in its counts, as they are part of what auto costs). The uncompressed methods run
+`--epochs` (the fine-tune of benchmarks/finetune_quality.py); the compressed ones up to
+`--max_epochs`, so that a setting slightly worse per step can still show when it gets there.
+`--stages 3` splits the model at blocks 1 and 3 instead of 2.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from hf_actcomp import Compression, MemoryConfig, Plan
 
 PEER = "torch.distributed.pipelining"
 BASE = "ours, uncompressed"
+AUTO = "ours, auto"
 q = lambda b: Compression("quantize", bits=b)  # noqa: E731
 h = lambda b: Compression("hadamard", bits=b)  # noqa: E731
 warm = lambda b: Compression("aqsgd", bits=b, first_visit=h(4))  # noqa: E731
@@ -53,7 +58,9 @@ METHODS: dict[str, tuple | None] = {
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q8": (warm(2), q(4), q(8)),
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4": (warm(2), q(4), q(4)),
     "ours, Hadamard fw4/bw8, tie q8": (h(4), h(8), q(8)),
+    AUTO: None,  # Plan.auto(quality="safe", aqsgd=True): chosen per boundary direction, and the tie's codec
 }
+SPLIT_POINTS = {2: [2], 3: [1, 3]}  # of the 4 blocks
 UNCOMPRESSED = (PEER, BASE)
 
 
@@ -80,13 +87,14 @@ class Rows(torch.utils.data.Dataset):
 
 
 class Evaluator:
-    """Eval loss of the whole model from the two stages' weights, half the blocks on each rank."""
+    """Eval loss of the whole model from the stages' weights, half the blocks on each of ranks 0
+    and 1 (with 3 stages too, so that the loss is summed exactly as with 2)."""
 
     def __init__(self, evaluation: dict, vocab: int, args) -> None:
         self.rank = dist.get_rank()
         self.model = make_model(vocab, args.seq_len, seed=0).eval()
         self.expected = set(self.model.state_dict()) - {TIE[1]}  # wte is lm_head.weight
-        rows = {k: v[self.rank::2] for k, v in evaluation.items()}
+        rows = {k: v[self.rank::2] if self.rank < 2 else v[:0] for k, v in evaluation.items()}
         self.loader = DataLoader(Rows(rows), batch_size=32, collate_fn=default_data_collator)
         self.scratch = args.scratch
 
@@ -97,8 +105,8 @@ class Evaluator:
         path = lambda r: os.path.join(self.scratch, f"stage{r}.safetensors")  # noqa: E731
         save_file({k: v.detach().clone().contiguous() for k, v in stage_state.items()}, path(self.rank))
         dist.barrier()
-        first, last = load_file(path(0)), load_file(path(1))
-        weights = {**{k: v for k, v in first.items() if k != TIE[1]}, **last}
+        *others, last = [load_file(path(r)) for r in range(dist.get_world_size())]
+        weights = {**{k: v for part in others for k, v in part.items() if k != TIE[1]}, **last}
         if set(weights) != self.expected:
             raise RuntimeError(f"the stages' weights do not make the model: {sorted(set(weights) ^ self.expected)}")
         self.model.load_state_dict(weights, strict=False)
@@ -146,10 +154,13 @@ def run(name: str, data, args) -> dict:
         module, peer_step, _ = build_peer(model, args.micro_batches, tied=True)
         params, state = module.parameters(), module.state_dict
     else:
-        forward, backward, *tie = METHODS[name]
-        plan = Plan(num_stages=2, micro_batches=args.micro_batches, split_points=[2], schedule="1f1b",
-                    forward=forward, backward=backward, tie_compression=tie[0] if tie else None,
-                    memory=MemoryConfig(num_samples=len(Rows(train)), store="host", dtype="fp16"))
+        common = dict(num_stages=args.stages, micro_batches=args.micro_batches, split_points=SPLIT_POINTS[args.stages],
+                      schedule="1f1b", memory=MemoryConfig(num_samples=len(Rows(train)), store="host", dtype="fp16"))
+        if name == AUTO:  # the tie's codec left unset: auto chooses it
+            plan = Plan.auto(quality="safe", aqsgd=True, **common)
+        else:
+            forward, backward, *tie = METHODS[name]
+            plan = Plan(forward=forward, backward=backward, tie_compression=tie[0] if tie else None, **common)
         pipe = hf_actcomp.prepare(model, plan, timeout=600, track_error=False)
         params, state = pipe.parameters(), pipe.stage.state_dict
     torch.manual_seed(args.seed)
@@ -192,11 +203,25 @@ def run(name: str, data, args) -> dict:
     else:
         stats = pipe.stats(gather=True)
         traffic = dict(bytes_per_step=stats["bytes_sent"] / step, byte_ratio=stats["compression_ratio"],
+                       categories={c: v["bytes_sent"] for c, v in stats["categories"].items()},
                        steady_state=steady_state(stats, *after_first_epoch, step) if after_first_epoch else None)
+        if name == AUTO:
+            traffic["auto"] = auto_summary(stats)
     return dict(method=name, steps=step, epochs=epochs, train_seconds=clock.seconds, curve=curve,
                 stopped_at_target=stop is not None and curve[-1]["eval_loss"] <= stop,
                 final_eval_loss=curve[-1]["eval_loss"],
                 other_cpu_share=clock.other_cpu_share(), **traffic)
+
+
+def auto_summary(stats: dict) -> dict:
+    """What Plan.auto measured and chose, and what its probe cost: the slowest stage's seconds
+    measuring (links and compute, inside the run's clock) and the bytes counted under `probe`."""
+    decision = stats["auto"]["decision"]
+    return dict(decision=decision, switches=stats["auto"]["switches"],
+                boundaries=[{d: c["codec"] for d, c in b.items()} for b in decision["boundaries"]],
+                tie=decision["tie"]["codec"] if "tie" in decision else None,
+                probe_seconds=max(t["seconds_probing"] for t in stats["stages"].values()),
+                probe_bytes=stats["categories"]["probe"]["bytes_sent"])
 
 
 def steady_state(end: dict, start_step: int, start: dict, end_step: int) -> dict:
@@ -235,6 +260,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--stages", type=int, default=2, choices=sorted(SPLIT_POINTS))
     p.add_argument("--stop_below", type=float, default=None,
                    help="compressed methods stop at the first evaluation at or below this loss")
     args = p.parse_args()
@@ -250,8 +276,9 @@ def main() -> None:
             if dist.get_rank() == 0:
                 print(f"{args.link} round {k} {row['method']:<30} {row['steps']} steps in {row['train_seconds']:6.1f}s "
                       f"final eval {row['final_eval_loss']:.4f}  {row['bytes_per_step'] / 1e6:.3f} MB/step  "
-                      f"other CPU {100 * row['other_cpu_share']:.0f}%",
-                      flush=True)
+                      f"other CPU {100 * row['other_cpu_share']:.0f}%"
+                      + (f"  auto: {row['auto']['boundaries']} tie {row['auto']['tie']}, probe "
+                         f"{row['auto']['probe_seconds']:.2f}s" if "auto" in row else ""), flush=True)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": runs}, f, indent=1)
