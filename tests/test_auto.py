@@ -13,7 +13,7 @@ import torch
 from distributed import run_workers
 from pipeline_cases import simulated_sgd_losses, training_batches
 
-from hf_actcomp import Compression, MemoryConfig, Plan, simulate
+from hf_actcomp import Compression, MemoryConfig, Plan, prepare, simulate
 from hf_actcomp.auto import (
     LADDERS,
     MEASURED,
@@ -131,6 +131,8 @@ def test_plan_auto_is_checked_and_round_trips(tmp_path):
         Plan.auto(aqsgd=True).check_memory()
     with pytest.raises(ValueError, match="in one process there is no link to measure"):
         simulate(debug_model("gpt2"), plan)
+    with pytest.raises(ValueError, match="plan='fast': give a hf_actcomp.Plan, or 'auto'"):
+        prepare(debug_model("gpt2"), "fast")
     # Per-boundary codecs, what Plan.auto fills in
     mixed = Plan(num_stages=3, boundaries=[None, {"forward": {"method": "quantize", "bits": 4}}])
     assert [mixed.forward_at(b).describe() for b in range(2)] == ["none", "quantize4"]
