@@ -509,9 +509,13 @@ class Pipeline(nn.Module):
         positions = positions_from_mask(attention_mask)
         mask = None if bool((attention_mask == 1).all()) else attention_mask  # as generate passes it
         new, step = input_ids, 0
+        # An exact tie's rows of the chosen tokens ride with their ids (one message of a size known
+        # in advance, so its receive is posted early): a separate message of the distinct rows,
+        # whose receive can only be posted once the ids are in, costs one more round trip per token.
+        rows_with_ids = self.tie is not None and self.tie.active and self.tie.compressor is None
         while True:
-            if self.tie is not None:  # the first stage's copy needs the rows of the new tokens
-                self.tie.share_rows(new, counter)
+            if self.tie is not None and (step == 0 or not rows_with_ids):
+                self.tie.share_rows(new, counter)  # the first stage's copy needs the rows of the new tokens
             shape = (batch, new.shape[1], self.hidden_size)
             h = new
             if not self.is_first:
@@ -531,7 +535,7 @@ class Pipeline(nn.Module):
             else:
                 self.links["forward_out"].send(step, out, side, codec=sender, counter=counter)
             if self.mesh.num_stages > 1:
-                message = self._share_next_tokens(message, step, counter)
+                message = self._share_next_tokens(message, step, counter, rows_with_ids)
             chosen, unfinished = message[:batch], message[batch:]
             input_ids = torch.cat([input_ids, chosen[:, None]], dim=-1)
             if unfinished.max() == 0:
@@ -543,18 +547,35 @@ class Pipeline(nn.Module):
         self.transport.flush()
         return input_ids
 
-    def _share_next_tokens(self, message: torch.Tensor, step: int, counter: TrafficCounter) -> torch.Tensor:
+    def _share_next_tokens(self, message: torch.Tensor, step: int, counter: TrafficCounter,
+                           rows_with_ids: bool) -> torch.Tensor:
         """The last stage sends the chosen ids and unfinished flags to every other stage, point to
-        point through the transport (a hung peer raises `PeerTimeoutError`, as in training)."""
+        point through the transport (a hung peer raises `PeerTimeoutError`, as in training); to the
+        first stage, with an exact tie, followed by the tied rows of the chosen tokens (one per
+        row of the batch), which it writes into its copy."""
+        ids_bytes = message.numel() * message.element_size()
+        tie = self.tie if rows_with_ids else None
         if self.is_last:
-            payload = message.view(torch.uint8)
+            ids = message.view(torch.uint8)
             for dst in self.mesh.ranks[:-1]:
+                payload = ids
+                if tie is not None and dst == self.mesh.ranks[0]:
+                    rows = tie.param.detach().index_select(0, message[: message.numel() // 2])
+                    payload = torch.cat([ids, rows.contiguous().view(-1).view(torch.uint8)])
                 self.transport.send(payload, dst, tag=NEXT_TOKENS_TAG)
                 counter.add(payload.numel(), payload.numel())
             return message
-        payload = self.transport.recv(message.numel() * message.element_size(), self.mesh.ranks[-1], self.device,
+        rows_bytes = 0
+        if tie is not None:
+            rows_bytes = message.numel() // 2 * tie.param.shape[1] * tie.param.element_size()
+        payload = self.transport.recv(ids_bytes + rows_bytes, self.mesh.ranks[-1], self.device,
                                       f"the next token ids of generation step {step}", tag=NEXT_TOKENS_TAG)
-        return payload.view(torch.long)
+        message = payload[:ids_bytes].view(torch.long)
+        if tie is not None:
+            rows = payload[ids_bytes:].view(tie.param.dtype).view(-1, tie.param.shape[1])
+            with torch.no_grad():
+                tie.param.index_copy_(0, message[: message.numel() // 2], rows)
+        return message
 
     @contextlib.contextmanager
     def _naming_the_step(self, what: str):
