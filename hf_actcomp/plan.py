@@ -351,7 +351,7 @@ class AutoConfig:
     aqsgd: bool = False
     adapt_every: int | None = None
     tolerance: float = 0.05
-    probe_repeats: int = 3
+    probe_repeats: int = 2
     decision: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -421,7 +421,7 @@ class Plan:
 
     @classmethod
     def auto(cls, num_stages: int = 2, micro_batches: int | None = None, *, quality: str = "safe",
-             aqsgd: bool = False, adapt_every: int | None = None, tolerance: float = 0.05, probe_repeats: int = 3,
+             aqsgd: bool = False, adapt_every: int | None = None, tolerance: float = 0.05, probe_repeats: int = 2,
              **plan_kwargs: Any) -> Plan:
         """A plan whose boundary codecs the pipeline picks itself: at the first training step it
         measures each boundary's bandwidth and round trip in each direction (probe transfers over

@@ -121,6 +121,8 @@ def test_plan_auto_is_checked_and_round_trips(tmp_path):
     plan = Plan.auto(num_stages=3, micro_batches=4, quality="fast", adapt_every=5)
     assert plan.autotune == AutoConfig(quality="fast", adapt_every=5)
     assert Plan.from_json_string(plan.to_json_string()) == plan
+    from hf_actcomp.pipeline.probe import probe_nbytes  # half a micro-batch, within [64 KiB, 4 MiB]
+    assert [probe_nbytes(n) for n in (4096, 100_000, 262_144, 64 * 2**20)] == [4096, 65_536, 131_072, 4 * 2**20]
     with pytest.raises(ValueError, match="Plan.auto chooses backward, forward itself"):
         Plan.auto(forward=Compression("quantize", bits=4), backward=Compression("quantize", bits=8))
     with pytest.raises(ValueError, match="quality='best' is not valid. Allowed values: safe, fast"):
@@ -216,11 +218,12 @@ def test_slowed_boundary_gets_a_stronger_codec_and_every_rank_agrees(tmp_path):
         assert stats["channels"][channel]["bytes_sent"] == entry["bytes_sent"], channel
     assert stats["categories"]["tie"]["bytes_sent"] == sim_stats["categories"]["tie"]["bytes_sent"]
     assert stats["channels"]["boundary1.forward"]["compression_ratio"] > 8
-    # Probes: per boundary and direction, 4 small and 4 payload messages (1 untimed + 3 timed)
-    # answered by 8 bytes; the payload is one micro-batch (1 row x 16 tokens x 64, fp32). Then
-    # the all-gather of 6 float64 per rank and the decision's broadcast (length + JSON) from rank 0.
+    # Probes: per boundary and direction, 3 small messages (1 untimed + 2 timed) and 2 payloads,
+    # each answered by 8 bytes; the payload is one micro-batch (1 row x 16 tokens x 64, fp32: under
+    # 64 KiB, so whole). Then the all-gather of 6 float64 per rank and the decision's broadcast
+    # (length + JSON) from rank 0.
     payload = 1 * 16 * 64 * 4
-    links = 2 * 2 * (4 * 8 + 4 * payload + 8 * 8)
+    links = 2 * 2 * (3 * 8 + 2 * payload + 5 * 8)
     gather = 3 * 2 * 6 * 8
     sent = {k: v for k, v in decision.items() if k != "optimizer_step"}
     broadcast = 2 * (8 + len(json.dumps(sent).encode()))

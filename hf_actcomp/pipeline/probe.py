@@ -1,10 +1,11 @@
 """What `Plan.auto` measures over the real process group, and how every rank agrees on it.
 
 - Links: for each boundary and direction, the sending rank times round trips of a small message
-  and transfers of one micro-batch's uncompressed payload, each answered by an 8-byte reply,
-  through the pipeline's own transport (its own message tag; bytes counted under `probe`). The
-  round trip is the median small exchange; the bandwidth is the payload over the median transfer
-  less one round trip.
+  and transfers of a probe payload (half a micro-batch's uncompressed payload, at least 64 KiB,
+  at most 4 MiB: large enough to get past a shaper's burst, small enough to cost little on a slow
+  link), each answered by an 8-byte reply, through the pipeline's own transport (its own message
+  tag; bytes counted under `probe`). The round trip is the median small exchange; the bandwidth
+  is the probe payload over the median transfer less one round trip.
 - Decision: every rank's measurements go to global rank 0 (an all-gather of a few numbers), which
   runs `hf_actcomp.auto.choose` and broadcasts the decision as JSON; every rank applies that.
 
@@ -33,7 +34,13 @@ from .transport import Transport
 PROBE_TAG = 4  # the transport's slot for probe messages (0 tie, 1 forward, 2 backward, 3 token ids)
 FAKE_LINKS_ENV = "HF_ACTCOMP_AUTO_FAKE_LINKS"
 REPLY_BYTES = 8
-DIRECTIONS = ("forward", "backward")
+PROBE_BYTES = (64 * 1024, 4 * 1024 * 1024)  # the probe payload's bounds (half a micro-batch's in between)
+
+
+def probe_nbytes(payload_nbytes: int) -> int:
+    """The size of a bandwidth probe for a micro-batch payload of `payload_nbytes`."""
+    low, high = PROBE_BYTES
+    return min(payload_nbytes, max(low, min(high, payload_nbytes // 2)))
 
 
 def _exchange(transport: Transport, peer: int, send_bytes: int, device, counter: TrafficCounter, what: str) -> None:
@@ -48,9 +55,10 @@ def _answer(transport: Transport, peer: int, recv_bytes: int, device, counter: T
     counter.add(REPLY_BYTES, REPLY_BYTES)
 
 
-def timed_median(fn, repeats: int) -> float:
-    """The median of `repeats` timed calls, after one untimed call (connection set-up)."""
-    fn()
+def timed_median(fn, repeats: int, warm_up=None) -> float:
+    """The median of `repeats` timed calls, after one untimed call of `warm_up` (default `fn`:
+    connection set-up, first-run allocations)."""
+    (warm_up or fn)()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -62,21 +70,25 @@ def timed_median(fn, repeats: int) -> float:
 def measure_links(transport: Transport, mesh: PipelineMesh, device: torch.device, nbytes: int, repeats: int,
                   counter: TrafficCounter) -> dict[tuple[int, str], Link]:
     """The links this rank sends on, measured: {(boundary, direction): Link}. Collective over the
-    pipeline: boundary 0 first, then 1, ... (a stage finishes its boundary before the next)."""
+    pipeline: boundary 0 first, then 1, ... (a stage finishes its boundary before the next).
+    `nbytes`: one micro-batch's uncompressed payload (the probe sends `probe_nbytes(nbytes)`)."""
     found = {}
+    nbytes = probe_nbytes(nbytes)
     s = mesh.stage
     for b in (b for b in range(mesh.num_stages - 1) if s in (b, b + 1)):
         ends = {"forward": (mesh.ranks[b], mesh.ranks[b + 1]), "backward": (mesh.ranks[b + 1], mesh.ranks[b])}
         for direction, (src, dst) in ends.items():
             what = f"a probe of boundary {b} {direction}"
             if mesh.rank == src:
-                rtt = timed_median(lambda dst=dst, what=what: _exchange(transport, dst, REPLY_BYTES, device, counter, what),
-                             repeats)
-                whole = timed_median(lambda dst=dst, what=what: _exchange(transport, dst, nbytes, device, counter, what),
-                               repeats)
+                def exchange(size: int, dst=dst, what=what) -> None:
+                    _exchange(transport, dst, size, device, counter, what)
+
+                rtt = timed_median(lambda: exchange(REPLY_BYTES), repeats)
+                # the small exchanges set the pair up: no untimed probe payload
+                whole = timed_median(lambda: exchange(nbytes), repeats, warm_up=lambda: None)
                 found[(b, direction)] = Link(bandwidth=nbytes / max(whole - rtt, 1e-9), rtt=rtt)
             else:
-                for size in [REPLY_BYTES] * (repeats + 1) + [nbytes] * (repeats + 1):
+                for size in [REPLY_BYTES] * (repeats + 1) + [nbytes] * repeats:
                     _answer(transport, src, size, device, counter, what)
     transport.flush()
     return found
