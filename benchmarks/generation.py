@@ -447,10 +447,10 @@ def write(rows: list[dict], meta: dict) -> None:
         "Counted by `pipe.stats()['categories']['inference']` on each rank (what THAT rank sent) and the same on "
         "every link and round" + ("" if all(s["bytes_same_every_round"] for s in summary) else " (NOT: see the JSON)")
         + ". Stage 0 sends the new tokens' hidden states (the codec's payload). Stage 1 sends the chosen ids "
-        "and unfinished flags (2 x batch int64) and, since the head is tied, the embedding rows of the step's "
-        "distinct new tokens (fp32, exact: the first stage's copy is refreshed from the owner before each forward, "
-        "as in training). The prompt step sends the prompt's hidden states once, the same ids, and the rows of "
-        "the prompt's distinct tokens. On the wire: tx bytes of both interfaces per steady-state step (payloads "
+        "and unfinished flags (2 x batch int64) and, in the same message since the head is tied, the embedding "
+        "rows of the chosen tokens (one per row, fp32, exact: the first stage's copy is refreshed from the owner "
+        "before each forward, as in training). The prompt step sends the prompt's hidden states once, the rows "
+        "of the prompt's distinct tokens (a message of their own), and the same ids and rows. On the wire: tx bytes of both interfaces per steady-state step (payloads "
         "plus gloo's and TCP/IP's headers and the ACKs).",
         "",
         "| batch | variant | activations B/step (0->1) | uncompressed | ids (1->0) | tie rows (1->0) | total B/step "
@@ -551,16 +551,22 @@ def findings(summary: list[dict], meta: dict) -> list[str]:
                      f"{saved:.2f} ms of serialisation per step against a "
                      f"{none[0]['rtt_ms']:.0f} ms round trip).")
             if frozen:
-                text += (" With every weight frozen (no tied-row exchange) the link adds "
-                         + ", ".join(f"{s['extra_rtts']:.2f} RTTs" for s in frozen)
-                         + f": the tied embedding's row exchange costs a whole extra round trip per step "
-                         f"({none[0]['step_ms']['median']:.1f} vs {frozen[0]['step_ms']['median']:.1f} ms/step at "
-                         f"batch {none[0]['batch']}). Why: stage 1 sends the rows of the new tokens to stage 0 as "
-                         "a message of its own at the start of the next step, and gloo puts a message on the wire "
-                         "only once its receiver has posted the receive; stage 0 posts that receive only after the "
-                         "token ids have arrived, so the rows wait for the posting to reach stage 1 and then travel "
-                         "back: one more round trip (see DESIGN.md on gloo). Sending the rows with the ids, or "
-                         "posting their receive together with the ids' receive, would make a step one round trip.")
+                tie_rtts = none[-1]["extra_rtts"] - frozen[-1]["extra_rtts"]
+                text += (" With every weight frozen (no tied rows at all) the link adds "
+                         + ", ".join(f"{s['extra_rtts']:.2f} RTTs" for s in frozen) + ": ")
+                if tie_rtts > 0.5:
+                    text += (f"the tied rows cost {tie_rtts:.2f} more round trips per step, as a message of "
+                             "their own that gloo sends only once stage 0 has posted its receive, which it can "
+                             "do only after the ids are in.")
+                else:
+                    text += (f"the tied rows, riding with the ids, cost no round trip of their own per step "
+                             f"({tie_rtts:+.2f} RTTs). The prompt step still pays one: the prompt's distinct "
+                             "rows are a message of their own, sent before its receive is posted (prompt step "
+                             + ", ".join(f"none {n['prompt_ms']['median']:.0f} vs frozen "
+                                         f"{f['prompt_ms']['median']:.0f} ms at batch {n['batch']}"
+                                         for n, f in zip(none, frozen, strict=True))
+                             + "). Before commit 17ce46f the rows of every step went that way too, and a step "
+                             "took 2.06 RTTs (1.07 frozen; this file's earlier version).")
         lines.append(text)
     act_ratio = {c: at[(LOOPBACK if (LOOPBACK, a.batch_sizes[-1], c) in at else links[0], a.batch_sizes[-1], c)]
                  for c in ["none", *codecs]}
