@@ -535,7 +535,8 @@ def findings(summary: list[dict], meta: dict) -> list[str]:
             ser = [s["serialise_ms"] for s in cells if s["serialise_ms"] is not None]
             text += (f" The link adds {min(extra):.1f} to {max(extra):.1f} ms per step over loopback (about the "
                      f"rounds' spread); serialising a step's wire bytes takes at most {max(ser):.2f} ms. Compression "
-                     f"changes ms/step by at most {100 * max(change):.0f}%, in either direction.")
+                     f"changes ms/step by at most {100 * max(change):.0f}%: the codecs' own encode/decode, as on "
+                     "loopback, not the link.")
         else:
             none = [at[(link, b, "none")] for b in a.batch_sizes]
             frozen = [at[(link, b, FROZEN)] for b in a.batch_sizes if (link, b, FROZEN) in at]
@@ -561,7 +562,8 @@ def findings(summary: list[dict], meta: dict) -> list[str]:
                 else:
                     text += (f"the tied rows, riding with the ids, cost no round trip of their own per step "
                              f"({tie_rtts:+.2f} RTTs). The prompt step still pays one: the prompt's distinct "
-                             "rows are a message of their own, sent before its receive is posted (prompt step "
+                             "rows are a message of their own, which gloo sends only once stage 0's receive, posted as "
+                             "the call starts, has reached stage 1 (prompt step "
                              + ", ".join(f"none {n['prompt_ms']['median']:.0f} vs frozen "
                                          f"{f['prompt_ms']['median']:.0f} ms at batch {n['batch']}"
                                          for n, f in zip(none, frozen, strict=True))
