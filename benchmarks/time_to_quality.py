@@ -55,6 +55,8 @@ from safetensors.torch import save_file
 from slow_link import LinkedNamespaces, NamespaceChain, table
 from time_to_quality_worker import AUTO, BASE, METHODS, PEER, SPLIT_POINTS
 
+from hf_actcomp.auto import bandwidth_text
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 WORKER = os.path.join(ROOT, "benchmarks", "time_to_quality_worker.py")
@@ -230,7 +232,7 @@ def auto_section(rows: list[dict], summary: list[dict]) -> list[str]:
         a = r["auto"]
         links = a["decision"]["measurements"]["links"]
         chosen = " | ".join(f"{b['forward']} / {b['backward']}" for b in a["boundaries"])
-        measured = " | ".join(" / ".join(f"{link[d]['bandwidth_mbit_s']:.1f} Mbit/s, {link[d]['rtt_ms']:.2f} ms"
+        measured = " | ".join(" / ".join(f"{bandwidth_text(link[d], digits=4)}, {link[d]['rtt_ms']:.2f} ms"
                                          for d in ("forward", "backward")) for link in links)
         compute = ", ".join(f"{1e3 * c:.1f}" for c in a["decision"]["measurements"]["compute_seconds_per_micro_batch"])
         seconds = "not reached" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.1f}"

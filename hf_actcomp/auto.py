@@ -14,6 +14,13 @@ more compression buys no speed, only quality cost. t is half the measured round 
 payload over the measured bandwidth. On a link where the round trip dominates, the bytes hardly
 matter, so a weak codec is picked there.
 
+Quality in time. A rung that needs more steps to reach a given eval loss must save more than those
+steps cost: each rung's cost is compared as cost(t) + extra_steps x S, where extra_steps is the
+fraction of steps it was measured to add on the way to the uncompressed run's eval loss
+(`EXTRA_STEPS`, from benchmarks/time_to_quality.py) and S the step at best (M x c plus every
+direction's cheapest rung). So 2-bit activations, which once took 24% more steps to the target,
+are chosen under `quality="safe"` only where they save more than a quarter of a step.
+
 The ladders hold only settings whose quality cost docs/quality.md has measured (fine-tuning a
 pre-trained GPT-2-style model, 3 seeds; `MEASURED` names the files). A forward rung and a backward
 rung combine into a pair no stronger in either direction than the ladder's last rungs, which form
@@ -49,13 +56,33 @@ def _aqsgd(bits: int) -> Compression:
 # Least to most compression. Quality levels (AutoConfig.quality): "safe" = within 0.3% of `none`
 # in every seed, "fast" = within 1% in the median. The strongest pair of each ladder is a measured
 # row (MEASURED); nothing stronger than it was measured within 1% (direct fw2/bw4: +1.11% median),
-# so on this evidence both levels pick from the same rungs.
+# so on this evidence both levels pick from the same rungs; they differ in what the strongest rungs
+# are charged in steps (EXTRA_STEPS).
 LADDERS: dict[tuple[str, bool], dict[str, list[Compression]]] = {}
 for _quality in ("safe", "fast"):
     LADDERS[(_quality, False)] = {"forward": [NONE, _quantize(8), _quantize(4), _quantize(3)],
                                   "backward": [NONE, _quantize(8), _quantize(6)]}
     LADDERS[(_quality, True)] = {"forward": [NONE, _aqsgd(4), _aqsgd(2)],
                                  "backward": [NONE, _quantize(8), _quantize(6), _quantize(4)]}
+
+# Time to quality (benchmarks/time_to_quality.py, the same fine-tune to the uncompressed run's eval
+# loss): per run, the steps the strongest measured pair (AQ-SGD fw2/bw4, any tie codec) took over
+# those of the milder one (fw4/bw8, tie q8). The same steps in the 2-stage runs; 168 against 136 on
+# 3 stages. "safe" charges the worst run, "fast" the median. The charge goes to each rung that only
+# the strongest pair has: 2-bit activations, 4-bit gradients, a 4-bit tie (which of them costs the
+# steps is not measured apart).
+STEPS_MEASURED = ("time_to_quality_10mbit", "time_to_quality_20mbit", "time_to_quality_100mbit", "time_to_quality_auto_10mbit",
+                  "time_to_quality_auto_100mbit", "time_to_quality_auto_3stage_10mbit_mixed")
+EXTRA_STEPS = {"safe": 0.235, "fast": 0.0}
+STEP_COSTLY = {"forward": [_aqsgd(2)], "backward": [_quantize(4)], "tie": [_quantize(4)]}
+
+
+def extra_steps(config: AutoConfig, kind: str, rung: Compression | None) -> float:
+    """The fraction of steps `rung` ("forward" / "backward" / "tie") is charged under `config`."""
+    if not config.aqsgd or rung not in STEP_COSTLY[kind]:
+        return 0.0
+    return EXTRA_STEPS[config.quality]
+
 
 # The tied embedding's rows (GPT-2, OPT, Gemma: a first stage and a last stage sharing it), when
 # the plan leaves `tie_compression` unset: exact (None), 8 bits (+0.00% alone and with AQ-SGD
@@ -76,10 +103,13 @@ def ladder(config: AutoConfig, direction: str) -> list[Compression]:
 
 @dataclass
 class Link:
-    """One direction of one boundary, as measured: bytes per second and round trip in seconds."""
+    """One direction of one boundary, as measured: bytes per second and round trip in seconds.
+    `at_least`: the probe crossed within a round trip's noise, so only a lower bound of the
+    bandwidth is known (a fast link; its transfers cost about a round trip whatever they carry)."""
 
     bandwidth: float
     rtt: float
+    at_least: bool = False
 
     def seconds(self, nbytes: int) -> float:
         """One payload's transfer: half a round trip, then the bytes at the bandwidth."""
@@ -110,7 +140,8 @@ class Measurements:
 
     def to_dict(self) -> dict[str, Any]:
         return {"compute_seconds_per_micro_batch": list(self.compute),
-                "links": [{d: {"bandwidth_mbit_s": link.bandwidth * 8 / 1e6, "rtt_ms": link.rtt * 1e3}
+                "links": [{d: {"bandwidth_mbit_s": link.bandwidth * 8 / 1e6, "rtt_ms": link.rtt * 1e3,
+                               **({"bandwidth_at_least": True} if link.at_least else {})}
                            for d, link in links.items()} for links in self.links],
                 "payload_shape": list(self.payload_shape), "micro_batches": self.micro_batches, "dtype": str(self.dtype).removeprefix("torch."),
                 "tie_rows": self.tie_rows, **self.extra}
@@ -128,45 +159,65 @@ def step_cost(t: float, compute: float, micro_batches: int) -> float:
 
 
 def choose_direction(rungs: list[Compression | None], link: Link, compute: float, micro_batches: int,
-                     tolerance: float, shape, dtype, *, per_step: bool = False) -> dict[str, Any]:
-    """The rung for one direction: the least compression whose step cost is within `tolerance`
-    x the step's compute of the cheapest rung's. (A tie's rung None is its exact form, the rows
-    in fp32; `per_step`: one transfer per step, on the step's critical path, as the tie's rows.)"""
+                     tolerance: float, shape, dtype, *, per_step: bool = False,
+                     extra: list[float] | None = None, step_seconds: float = 0.0) -> dict[str, Any]:
+    """The rung for one direction: the least compression whose step cost, plus the steps it is
+    charged (`extra[i]` x `step_seconds`), is within `tolerance` x the step's compute of the
+    cheapest rung's. (A tie's rung None is its exact form, the rows in fp32; `per_step`: one
+    transfer per step, on the step's critical path, as the tie's rows.)"""
     options = [(c, payload_nbytes(c or NONE, shape, dtype)) for c in rungs]
     times = [link.seconds(n) for _, n in options]
     costs = [t if per_step else step_cost(t, compute, micro_batches) for t in times]
+    extra = extra or [0.0] * len(rungs)
+    charged = [cost + e * step_seconds for cost, e in zip(costs, extra, strict=True)]
     slack = tolerance * micro_batches * compute
-    pick = next(i for i, cost in enumerate(costs) if cost <= min(costs) + slack)
+    pick = next(i for i, cost in enumerate(charged) if cost <= min(charged) + slack)
     compression, nbytes = options[pick]
     return {"compression": None if compression is None else asdict(compression),
             "codec": "exact" if compression is None else compression.describe(), "bytes": nbytes,
             "transfer_seconds": times[pick], "uncompressed_transfer_seconds": times[0],
             "step_cost_seconds": costs[pick], "uncompressed_step_cost_seconds": costs[0],
-            "hidden": bool(times[pick] <= compute)}
+            "extra_steps": extra[pick], "hidden": bool(times[pick] <= compute)}
+
+
+def cheapest(rungs: list[Compression | None], link: Link, compute: float, micro_batches: int, shape, dtype, *,
+             per_step: bool = False) -> float:
+    """The least a direction can add to a step, whatever it costs in quality."""
+    return choose_direction(rungs, link, compute, micro_batches, 0.0, shape, dtype, per_step=per_step)["step_cost_seconds"]
 
 
 def choose(measured: Measurements, config: AutoConfig) -> dict[str, Any]:
-    """Per boundary and direction, the least compression `config` allows whose step cost is
-    within its tolerance of the cheapest (module docstring). Returns the decision, JSON-ready:
+    """Per boundary and direction, the least compression `config` allows whose step cost, with
+    the steps it is charged, is within its tolerance of the cheapest (module docstring). Returns the decision, JSON-ready:
     `boundaries` (per boundary, per direction: the `Compression` as a dict, codec, bytes, transfer
-    seconds, step cost, whether compute hides it), `tie` when the tie's codec was chosen too, the
+    seconds, step cost, steps charged, whether compute hides it), `tie` when the tie's codec was chosen too, the
     compute and the measurements (`plan_boundaries` / `tie_compression` turn it into a plan)."""
     if len(measured.compute) != len(measured.links) + 1:
         raise ValueError(f"{len(measured.compute)} stages need {len(measured.compute) - 1} measured boundaries, "
                          f"got {len(measured.links)}.")
     compute, m = max(measured.compute), measured.micro_batches
-    boundaries = [{d: choose_direction(ladder(config, d), links[d], compute, m, config.tolerance,
-                                       measured.payload_shape, measured.dtype) for d in ("forward", "backward")}
-                  for links in measured.links]
-    decision = {"quality": config.quality, "aqsgd": config.aqsgd, "tolerance": config.tolerance,
-                "compute_seconds": compute, "micro_batches": m, "measurements": measured.to_dict(),
-                "boundaries": boundaries}
+    shape, dtype = measured.payload_shape, measured.dtype
+    # the step at best: every direction on its cheapest rung (what a charged step costs in seconds)
+    best_step = m * compute + sum(cheapest(ladder(config, d), links[d], compute, m, shape, dtype)
+                                  for links in measured.links for d in ("forward", "backward"))
+    tie = None
     if measured.tie_rows:  # rows there and gradient rows back, each over the slowest link of its way
         slowest = Link(bandwidth=min(links[d].bandwidth for links in measured.links for d in links),
                        rtt=max(links[d].rtt for links in measured.links for d in links))
-        decision["tie"] = choose_direction(TIE_LADDERS[config.aqsgd], slowest, compute, m, config.tolerance,
-                                           (measured.tie_rows, measured.payload_shape[2]), torch.float32,
-                                           per_step=True)
+        tie = (TIE_LADDERS[config.aqsgd], slowest, (measured.tie_rows, shape[2]))
+        best_step += cheapest(tie[0], slowest, compute, m, tie[2], torch.float32, per_step=True)
+
+    def pick(kind: str, rungs: list[Compression | None], link: Link, shape=shape, dtype=dtype,
+             per_step: bool = False) -> dict[str, Any]:
+        return choose_direction(rungs, link, compute, m, config.tolerance, shape, dtype, per_step=per_step,
+                                extra=[extra_steps(config, kind, r) for r in rungs], step_seconds=best_step)
+
+    boundaries = [{d: pick(d, ladder(config, d), links[d]) for d in ("forward", "backward")} for links in measured.links]
+    decision = {"quality": config.quality, "aqsgd": config.aqsgd, "tolerance": config.tolerance,
+                "compute_seconds": compute, "micro_batches": m, "best_step_seconds": best_step,
+                "measurements": measured.to_dict(), "boundaries": boundaries}
+    if tie is not None:
+        decision["tie"] = pick("tie", tie[0], tie[1], shape=tie[2], dtype=torch.float32, per_step=True)
     return decision
 
 
@@ -179,6 +230,12 @@ def tie_compression(decision: dict[str, Any]) -> Compression | None:
     """`Plan.tie_compression` as `decision` chose it (call only when it chose one: `"tie" in decision`)."""
     chosen = decision["tie"]["compression"]
     return None if chosen is None else Compression(**chosen)
+
+
+def bandwidth_text(link: dict[str, Any], digits: int = 3) -> str:
+    """A measured link's bandwidth as a decision records it: "9.6 Mbit/s", or ">= 1.3e+04 Mbit/s"
+    where the probe saw only a lower bound."""
+    return f"{'>= ' if link.get('bandwidth_at_least') else ''}{link['bandwidth_mbit_s']:.{digits}g} Mbit/s"
 
 
 def describe(decision: dict[str, Any]) -> str:
@@ -198,7 +255,7 @@ def describe(decision: dict[str, Any]) -> str:
     for b, entry in enumerate(decision["boundaries"]):
         for d, choice in entry.items():
             link = links[b][d]
-            lines.append(f"  boundary {b} {d} on {link['bandwidth_mbit_s']:.3g} Mbit/s, {link['rtt_ms']:.3g} ms RTT: "
+            lines.append(f"  boundary {b} {d} on {bandwidth_text(link)}, {link['rtt_ms']:.3g} ms RTT: "
                          f"{line(choice)}")
     if "tie" in decision:
         lines.append(f"  tied embedding rows ({decision['measurements']['tie_rows']} per step, slowest link): "

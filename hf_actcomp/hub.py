@@ -24,6 +24,7 @@ from typing import Any
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from huggingface_hub import constants as hub_constants
 
+from .auto import bandwidth_text
 from .codecs import CODECS
 from .dp.base import HOOKS
 from .plan import CONFIG_NAME, Compression, Plan
@@ -309,8 +310,8 @@ def _describe_auto(plan: Plan) -> str:
     if decision is None:
         return text + ", not measured yet"
     links = decision["measurements"]["links"]
-    measured = "; ".join(f"boundary {b}: {link['forward']['bandwidth_mbit_s']:.3g}/{link['backward']['bandwidth_mbit_s']:.3g} "
-                         f"Mbit/s forward/backward, {link['forward']['rtt_ms']:.3g} ms RTT" for b, link in enumerate(links))
+    measured = "; ".join(f"boundary {b}: {bandwidth_text(link['forward'])} forward, {bandwidth_text(link['backward'])} "
+                         f"backward, {link['forward']['rtt_ms']:.3g} ms RTT" for b, link in enumerate(links))
     return (f"{text} from measured links ({measured}) and {decision['compute_seconds'] * 1e3:.1f} ms of compute per "
             "micro-batch")
 

@@ -15,8 +15,11 @@ from pipeline_cases import simulated_sgd_losses, training_batches
 
 from hf_actcomp import Compression, MemoryConfig, Plan, prepare, simulate
 from hf_actcomp.auto import (
+    EXTRA_STEPS,
     LADDERS,
     MEASURED,
+    STEP_COSTLY,
+    STEPS_MEASURED,
     THRESHOLDS,
     Link,
     Measurements,
@@ -86,7 +89,7 @@ def test_choose_per_boundary_and_the_tie():
     strict = choose(measured, AutoConfig(tolerance=0.0))
     assert strict["boundaries"][1]["forward"]["codec"] == "quantize3"
     aqsgd = choose(Measurements(compute=[0.02, 0.04, 0.03], links=links, payload_shape=SHAPE, micro_batches=4,
-                                tie_rows=1000), AutoConfig(aqsgd=True))
+                                tie_rows=1000), AutoConfig(aqsgd=True, quality="fast"))
     assert aqsgd["boundaries"][1]["forward"]["codec"] == "aqsgd-quantize2 (warm-up hadamard4)"
     assert aqsgd["boundaries"][1]["backward"]["codec"] == "quantize4"
     # 1000 rows x 128 fp32 = 512 kB exact at 10 Mbit/s, once a step: 8 bits 105 ms, 4 bits 54 ms
@@ -96,6 +99,54 @@ def test_choose_per_boundary_and_the_tie():
     with pytest.raises(ValueError, match="3 stages need 2 measured boundaries, got 1"):
         choose(Measurements(compute=[1, 1, 1], links=[{"forward": fast, "backward": fast}], payload_shape=SHAPE),
                AutoConfig())
+
+
+def test_safe_charges_the_strongest_rungs_their_extra_steps():
+    """quality="safe" charges 2-bit activations, 4-bit gradients and a 4-bit tie 23.5% of the best
+    step: on the 10 Mbit/s boundary above they save 13 ms (forward), 17 ms (backward) and 51 ms
+    (tie) of a 258 ms step, less than the 61 ms charged, so the milder rungs are kept; where a
+    rung saves more than its charge (1 Mbit/s), it is taken."""
+    fast, slow = Link(1000 * MBIT, 1e-4), Link(10 * MBIT, 1e-4)
+    links = [{"forward": fast, "backward": fast}, {"forward": slow, "backward": slow}]
+    measured = Measurements(compute=[0.02, 0.04, 0.03], links=links, payload_shape=SHAPE, micro_batches=4,
+                            tie_rows=1000)
+    safe, quick = choose(measured, AutoConfig(aqsgd=True)), choose(measured, AutoConfig(aqsgd=True, quality="fast"))
+    cheapest = choose(measured, AutoConfig(aqsgd=True, quality="fast", tolerance=0.0))  # every cheapest rung
+    best = 4 * 0.04 + sum(cheapest["boundaries"][b][d]["step_cost_seconds"] for b in range(2)
+                          for d in ("forward", "backward")) + cheapest["tie"]["step_cost_seconds"]
+    assert safe["best_step_seconds"] == pytest.approx(best) == pytest.approx(0.2577, abs=1e-4)
+    picked = [(safe["boundaries"][1][d]["codec"], safe["boundaries"][1][d]["extra_steps"]) for d in ("forward", "backward")]
+    assert picked == [("aqsgd-quantize4 (warm-up hadamard4)", 0.0), ("quantize6", 0.0)]
+    assert (safe["tie"]["codec"], quick["tie"]["extra_steps"]) == ("quantize8", 0.0)  # "fast" charges nothing
+    for d in ("forward", "backward"):  # what the charged rung saves is under its charge
+        saved = safe["boundaries"][1][d]["step_cost_seconds"] - quick["boundaries"][1][d]["step_cost_seconds"]
+        assert 0 < saved < EXTRA_STEPS["safe"] * best
+    crawl = Link(1 * MBIT, 1e-4)
+    slow_run = choose(Measurements(compute=[0.04, 0.04], links=[{"forward": crawl, "backward": crawl}],
+                                   payload_shape=SHAPE, micro_batches=4), AutoConfig(aqsgd=True))
+    assert [slow_run["boundaries"][0][d]["codec"] for d in ("forward", "backward")] == [
+        "aqsgd-quantize2 (warm-up hadamard4)", "quantize4"]
+    assert slow_run["boundaries"][0]["forward"]["extra_steps"] == EXTRA_STEPS["safe"]
+    # the stateless ladder is not charged: its strongest pair was not measured to cost steps
+    assert choose(measured, AutoConfig())["boundaries"][1]["forward"]["extra_steps"] == 0.0
+
+
+def test_the_charge_in_steps_is_what_time_to_quality_measured():
+    """Per run of benchmarks/time_to_quality.py, the steps to the target of the AQ-SGD fw2/bw4
+    settings over those of fw4/bw8 with tie q8: "safe" charges the worst run, "fast" the median;
+    the charged rungs are the ones only fw2/bw4 with tie q4 has."""
+    ratios = []
+    for name in STEPS_MEASURED:
+        with open(os.path.join(ROOT, "benchmarks", "results", f"{name}.json")) as f:
+            steps = {r["method"]: r["steps_to_target"] for r in json.load(f)["summary"]}
+        strong = [v for k, v in steps.items() if "AQ-SGD fw2/bw4" in k and v]
+        mild = [v for k, v in steps.items() if "fw4/bw8" in k and "tie q8" in k and v]
+        ratios.append(max(strong) / min(mild) - 1)
+    assert EXTRA_STEPS["safe"] == pytest.approx(max(ratios), abs=5e-4) and max(ratios) > 0.2
+    assert EXTRA_STEPS["fast"] == pytest.approx(sorted(ratios)[len(ratios) // 2])
+    strongest = LADDERS[("safe", True)]
+    assert STEP_COSTLY == {"forward": [strongest["forward"][-1]], "backward": [strongest["backward"][-1]],
+                           "tie": [Compression("quantize", bits=4)]}
 
 
 @pytest.mark.parametrize("quality", ["safe", "fast"])
@@ -165,7 +216,7 @@ def test_the_card_shows_the_choice_and_what_was_measured(tmp_path):
     text = hub.model_card(tmp_path).text
     assert "with a codec chosen per boundary (below)" in text
     assert "| boundary 0 forward | `quantize3` |" in text and "| boundary 0 backward | `quantize6` |" in text
-    assert ("`Plan.auto` (quality safe) from measured links (boundary 0: 10/20 Mbit/s forward/backward, 20 ms RTT) "
+    assert ("`Plan.auto` (quality safe) from measured links (boundary 0: 10 Mbit/s forward, 20 Mbit/s backward, 20 ms RTT) "
             "and 30.0 ms of compute per micro-batch") in text
 
 
@@ -185,6 +236,9 @@ def test_estimate_auto_shows_the_choice_for_given_links(tmp_path, capsys):
             "uncompressed 219.7 ms, +848.6 ms) [hidden]") in out
     assert "boundary 1 backward on 10 Mbit/s, 20 ms RTT: quantize6" in out
     assert main(cmd + ["--json", "--aqsgd"]) == 0
+    decision = json.loads(capsys.readouterr().out)
+    assert decision["boundaries"][1]["forward"]["codec"] == "aqsgd-quantize4 (warm-up hadamard4)"
+    assert main(cmd + ["--json", "--aqsgd", "--quality", "fast"]) == 0  # 2 bits: not charged in steps
     decision = json.loads(capsys.readouterr().out)
     assert decision["boundaries"][1]["forward"]["codec"] == "aqsgd-quantize2 (warm-up hadamard4)"
     assert main(cmd + ["--link", "1gbit,10mbit,5mbit"]) == 2
@@ -221,10 +275,11 @@ def test_slowed_boundary_gets_a_stronger_codec_and_every_rank_agrees(tmp_path):
     # Probes: per boundary and direction, 3 small messages (1 untimed + 2 timed) and 2 payloads,
     # each answered by 8 bytes; the payload is one micro-batch (1 row x 16 tokens x 64, fp32: under
     # 64 KiB, so whole). Then the all-gather of 6 float64 per rank and the decision's broadcast
-    # (length + JSON) from rank 0.
+    # (length + JSON) from rank 0: per rank its stage, compute, and per link bandwidth, round trip
+    # and lower-bound flag (8 float64).
     payload = 1 * 16 * 64 * 4
     links = 2 * 2 * (3 * 8 + 2 * payload + 5 * 8)
-    gather = 3 * 2 * 6 * 8
+    gather = 3 * 2 * 8 * 8
     sent = {k: v for k, v in decision.items() if k != "optimizer_step"}
     broadcast = 2 * (8 + len(json.dumps(sent).encode()))
     assert stats["categories"]["probe"]["bytes_sent"] == links + gather + broadcast
@@ -234,9 +289,10 @@ def test_slowed_boundary_gets_a_stronger_codec_and_every_rank_agrees(tmp_path):
 def test_adapted_run_is_exact_until_it_switches_and_keeps_aqsgd_memory(tmp_path):
     """Plan.auto(aqsgd=True, adapt_every=2) with the test hook (10 ms of compute per micro-batch):
     a fast link for 2 optimizer steps (`none`: losses and weights equal a plain run's, bit for
-    bit), then 5 Mbit/s (AQ-SGD 4 bits, its memory started empty; gradients 6 bits), then 0.5
-    Mbit/s (2 bits, memory kept: the seen samples go on from 8 to 12; gradients 4 bits). Both ends' memories stay equal; a fresh pipeline loading the state takes the codecs
-    back with it."""
+    bit), then 5 Mbit/s (AQ-SGD 4 bits, its memory started empty; gradients 8 bits: 4 bits would
+    save more than 6 but not their charge in steps, and 8 is within the tolerance of 6), then 0.5
+    Mbit/s (2 bits, memory kept: the seen samples go on from 8 to 12; gradients 4 bits). Both
+    ends' memories stay equal; a fresh pipeline loading the state takes the codecs back with it."""
     run_workers("auto_worker.py", 2, ["adapt", str(tmp_path)], timeout=240)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in results:
@@ -245,7 +301,7 @@ def test_adapted_run_is_exact_until_it_switches_and_keeps_aqsgd_memory(tmp_path)
         switches = [(s["optimizer_step"], s["channel"], s["to"], s["memory"]) for s in r["stats"]["auto"]["switches"]]
         assert switches == [
             (2, "boundary0.forward", "aqsgd-quantize4 (warm-up hadamard4)", "AQ-SGD memory started empty"),
-            (2, "boundary0.backward", "quantize6", ""),
+            (2, "boundary0.backward", "quantize8", ""),
             (4, "boundary0.forward", "aqsgd-quantize2 (warm-up hadamard4)", "AQ-SGD memory kept"),
             (4, "boundary0.backward", "quantize4", "")]
         assert r["resumed"] == ["aqsgd-quantize2 (warm-up hadamard4)", "quantize4"]

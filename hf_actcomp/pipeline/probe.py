@@ -5,7 +5,10 @@
   at most 4 MiB: large enough to get past a shaper's burst, small enough to cost little on a slow
   link), each answered by an 8-byte reply, through the pipeline's own transport (its own message
   tag; bytes counted under `probe`). The round trip is the median small exchange; the bandwidth
-  is the probe payload over the median transfer less one round trip.
+  is the probe payload over the median transfer less one round trip. Where that difference is
+  under a tenth of the transfer (a fast link: the payload crossed within a round trip's noise),
+  the bandwidth is known only to be at least the payload over a tenth of the transfer, and is
+  reported as that lower bound (`Link.at_least`).
 - Decision: every rank's measurements go to global rank 0 (an all-gather of a few numbers), which
   runs `hf_actcomp.auto.choose` and broadcasts the decision as JSON; every rank applies that.
 
@@ -67,6 +70,13 @@ def timed_median(fn, repeats: int, warm_up=None) -> float:
     return statistics.median(times)
 
 
+def link_from(nbytes: int, transfer: float, rtt: float) -> Link:
+    """The link that carried `nbytes` in `transfer` seconds (reply included) with round trip `rtt`:
+    a lower bound of its bandwidth when the bytes took under a tenth of the transfer (module docstring)."""
+    floor = transfer / 10
+    return Link(bandwidth=nbytes / max(transfer - rtt, floor), rtt=rtt, at_least=transfer - rtt < floor)
+
+
 def measure_links(transport: Transport, mesh: PipelineMesh, device: torch.device, nbytes: int, repeats: int,
                   counter: TrafficCounter) -> dict[tuple[int, str], Link]:
     """The links this rank sends on, measured: {(boundary, direction): Link}. Collective over the
@@ -86,7 +96,7 @@ def measure_links(transport: Transport, mesh: PipelineMesh, device: torch.device
                 rtt = timed_median(lambda: exchange(REPLY_BYTES), repeats)
                 # the small exchanges set the pair up: no untimed probe payload
                 whole = timed_median(lambda: exchange(nbytes), repeats, warm_up=lambda: None)
-                found[(b, direction)] = Link(bandwidth=nbytes / max(whole - rtt, 1e-9), rtt=rtt)
+                found[(b, direction)] = link_from(nbytes, whole, rtt)
             else:
                 for size in [REPLY_BYTES] * (repeats + 1) + [nbytes] * repeats:
                     _answer(transport, src, size, device, counter, what)
@@ -105,7 +115,7 @@ def agree(config: AutoConfig, mesh: PipelineMesh, compute: float, links: dict[tu
     mine = [float(mesh.stage), compute]
     for key in ((mesh.stage, "forward"), (mesh.stage - 1, "backward")):
         link = links.get(key)
-        mine += [link.bandwidth, link.rtt] if link is not None else [-1.0, -1.0]
+        mine += [link.bandwidth, link.rtt, float(link.at_least)] if link is not None else [-1.0, -1.0, 0.0]
     local = torch.tensor(mine, dtype=torch.float64, device=device)
     parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local)
@@ -127,20 +137,21 @@ def agree(config: AutoConfig, mesh: PipelineMesh, compute: float, links: dict[tu
 
 def decide(config: AutoConfig, num_stages: int, rows: list[list[float]], shape, dtype: torch.dtype,
            micro_batches: int, tie_rows: int | None = None) -> dict:
-    """Rank 0: the gathered rows (stage, compute, forward link of its boundary, backward link of
-    the one before) as `Measurements`, the fake-link hook applied, then `choose`."""
+    """Rank 0: the gathered rows (stage, compute, then bandwidth, round trip and lower-bound flag
+    of the forward link of its boundary and of the backward link of the one before) as
+    `Measurements`, the fake-link hook applied, then `choose`."""
     compute = [0.0] * num_stages
     links: list[dict[str, Link]] = [{} for _ in range(num_stages - 1)]
-    for stage, seconds, fw_bandwidth, fw_rtt, bw_bandwidth, bw_rtt in rows:
+    for stage, seconds, *ends in rows:
         s = int(stage)
         compute[s] = max(compute[s], seconds)
-        for b, direction, bandwidth, rtt in ((s, "forward", fw_bandwidth, fw_rtt),
-                                              (s - 1, "backward", bw_bandwidth, bw_rtt)):
+        for b, direction, (bandwidth, rtt, at_least) in ((s, "forward", ends[:3]), (s - 1, "backward", ends[3:])):
             if bandwidth < 0:
                 continue
             old = links[b].get(direction)
             if old is None or bandwidth < old.bandwidth:
-                links[b][direction] = Link(bandwidth=bandwidth, rtt=max(rtt, old.rtt if old else 0.0))
+                links[b][direction] = Link(bandwidth=bandwidth, rtt=max(rtt, old.rtt if old else 0.0),
+                                           at_least=bool(at_least))
     faked = _fake(links, compute)
     measured = Measurements(compute=compute, links=links, payload_shape=tuple(shape), micro_batches=micro_batches,
                             dtype=dtype, tie_rows=tie_rows, extra={"faked": faked} if faked else {})
@@ -161,7 +172,7 @@ def _fake(links: list[dict[str, Link]], compute: list[float]) -> dict:
         for direction, values in directions.items():
             link = links[int(b)][direction]
             if "bandwidth_mbit_s" in values:
-                link.bandwidth = float(values["bandwidth_mbit_s"]) * 1e6 / 8
+                link.bandwidth, link.at_least = float(values["bandwidth_mbit_s"]) * 1e6 / 8, False
             if "rtt_ms" in values:
                 link.rtt = float(values["rtt_ms"]) / 1e3
     return fakes
