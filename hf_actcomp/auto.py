@@ -243,10 +243,16 @@ def describe(decision: dict[str, Any]) -> str:
     m, compute = decision["micro_batches"], decision["compute_seconds"]
     lines = [f"Plan.auto (quality {decision['quality']}): {compute * 1e3:.1f} ms of compute per micro-batch "
              f"(busiest stage), {m} micro-batches: {m * compute * 1e3:.0f} ms per step"]
+    charge = EXTRA_STEPS[decision["quality"]] if decision["aqsgd"] else 0.0
+    if charge and "best_step_seconds" in decision:
+        lines.append(f"  2-bit activations, 4-bit gradients and a 4-bit tie charged {charge:.1%} of the best step "
+                     f"({decision['best_step_seconds'] * 1e3:.0f} ms) for the steps they were measured to add")
     links = decision["measurements"]["links"]
 
     def line(choice: dict) -> str:
         hidden = "hidden" if choice["hidden"] else "link-bound"
+        if choice.get("extra_steps"):
+            hidden += f", charged {choice['extra_steps']:.1%} of steps"
         return (f"{choice['codec']} ({choice['bytes']} B: {choice['transfer_seconds'] * 1e3:.1f} ms, "
                 f"+{choice['step_cost_seconds'] * 1e3:.1f} ms per step; uncompressed "
                 f"{choice['uncompressed_transfer_seconds'] * 1e3:.1f} ms, +{choice['uncompressed_step_cost_seconds'] * 1e3:.1f} "

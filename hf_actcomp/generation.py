@@ -136,10 +136,13 @@ def generation_pieces(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     fails when they change)."""
     config, _ = model._prepare_generation_config(generation_config, **kwargs)
     model._prepare_special_tokens(config, True, device=input_ids.device, batch_size=input_ids.shape[0])
+
+    def unset(name: str) -> bool:  # as `generate` decides it: neither passed nor set in a config
+        return (kwargs.get(name) is None and getattr(generation_config, name, None) is None
+                and getattr(model.generation_config, name, None) is None)
+
     config = model._prepare_generated_length(
-        generation_config=config,
-        has_default_max_length=kwargs.get("max_length") is None and kwargs.get("max_new_tokens") is None,
-        has_default_min_length=kwargs.get("min_length") is None and kwargs.get("min_new_tokens") is None,
+        generation_config=config, has_default_max_length=unset("max_length"), has_default_min_length=unset("min_length"),
         model_input_name="input_ids", inputs_tensor=input_ids, input_ids_length=input_ids.shape[1],
     )
     processors = model._get_logits_processor(

@@ -25,6 +25,7 @@ from hf_actcomp.auto import (
     Measurements,
     choose,
     choose_direction,
+    describe,
     ladder,
     payload_nbytes,
     step_cost,
@@ -127,6 +128,9 @@ def test_safe_charges_the_strongest_rungs_their_extra_steps():
     assert [slow_run["boundaries"][0][d]["codec"] for d in ("forward", "backward")] == [
         "aqsgd-quantize2 (warm-up hadamard4)", "quantize4"]
     assert slow_run["boundaries"][0]["forward"]["extra_steps"] == EXTRA_STEPS["safe"]
+    text = describe(slow_run)
+    assert "2-bit activations, 4-bit gradients and a 4-bit tie charged 23.5% of the best step (1970 ms)" in text
+    assert "[link-bound, charged 23.5% of steps]" in text
     # the stateless ladder is not charged: its strongest pair was not measured to cost steps
     assert choose(measured, AutoConfig())["boundaries"][1]["forward"]["extra_steps"] == 0.0
 

@@ -6,6 +6,9 @@ import pytest
 import torch
 from distributed import WORKERS, run_workers
 
+from hf_actcomp.debug import debug_model
+from hf_actcomp.generation import generation_pieces
+
 # mixtral-aux: with output_router_logits, whose side channel on the links carries zeros here
 FAMILIES = ["gpt2", "opt", "llama", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "mixtral-aux"]
 
@@ -82,3 +85,23 @@ def test_hung_peer_during_generation_raises_peer_timeout(tmp_path):
     assert "Rank 0 failed receiving the next token ids of generation step 0" in report["error"]
     assert "with rank 1 (timeout 2s)" in report["error"]
     assert 1.5 < report["seconds"] < 20
+
+
+@pytest.mark.parametrize("lengths,warned", [({"max_new_tokens": 3}, False),
+                                            ({"max_new_tokens": 3, "max_length": 50}, True)])
+def test_generation_pieces_warn_about_lengths_only_where_generate_does(caplog, lengths, warned):
+    """`max_new_tokens` alone is not "both set" (it was, on every split generate call)."""
+    model = debug_model("gpt2", seed=0)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    mask = torch.ones_like(input_ids)
+
+    def warnings() -> list[str]:
+        found = [r.getMessage() for r in caplog.records if "seem to have been set" in r.getMessage()]
+        caplog.clear()
+        return found
+
+    caplog.clear()
+    model.generate(input_ids, attention_mask=mask, do_sample=False, **lengths)
+    theirs = warnings()
+    generation_pieces(model, input_ids, mask, do_sample=False, **lengths)
+    assert warnings() == theirs and bool(theirs) == warned
