@@ -71,8 +71,9 @@ for _quality in ("safe", "fast"):
 # 3 stages. "safe" charges the worst run, "fast" the median. The charge goes to each rung that only
 # the strongest pair has: 2-bit activations, 4-bit gradients, a 4-bit tie (which of them costs the
 # steps is not measured apart).
-STEPS_MEASURED = ("time_to_quality_10mbit", "time_to_quality_20mbit", "time_to_quality_100mbit", "time_to_quality_auto_10mbit",
-                  "time_to_quality_auto_100mbit", "time_to_quality_auto_3stage_10mbit_mixed")
+STEPS_MEASURED = ("time_to_quality_10mbit", "time_to_quality_20mbit", "time_to_quality_100mbit",
+                  "time_to_quality_auto_10mbit", "time_to_quality_auto_100mbit",
+                  "time_to_quality_auto_3stage_10mbit_mixed")
 EXTRA_STEPS = {"safe": 0.235, "fast": 0.0}
 STEP_COSTLY = {"forward": [_aqsgd(2)], "backward": [_quantize(4)], "tie": [_quantize(4)]}
 
@@ -188,10 +189,11 @@ def cheapest(rungs: list[Compression | None], link: Link, compute: float, micro_
 
 def choose(measured: Measurements, config: AutoConfig) -> dict[str, Any]:
     """Per boundary and direction, the least compression `config` allows whose step cost, with
-    the steps it is charged, is within its tolerance of the cheapest (module docstring). Returns the decision, JSON-ready:
-    `boundaries` (per boundary, per direction: the `Compression` as a dict, codec, bytes, transfer
-    seconds, step cost, steps charged, whether compute hides it), `tie` when the tie's codec was chosen too, the
-    compute and the measurements (`plan_boundaries` / `tie_compression` turn it into a plan)."""
+    the steps it is charged, is within its tolerance of the cheapest (module docstring). Returns
+    the decision, JSON-ready: `boundaries` (per boundary, per direction: the `Compression` as a
+    dict, codec, bytes, transfer seconds, step cost, steps charged, whether compute hides it),
+    `tie` when the tie's codec was chosen too, the compute, the best step and the measurements
+    (`plan_boundaries` / `tie_compression` turn it into a plan)."""
     if len(measured.compute) != len(measured.links) + 1:
         raise ValueError(f"{len(measured.compute)} stages need {len(measured.compute) - 1} measured boundaries, "
                          f"got {len(measured.links)}.")

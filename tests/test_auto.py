@@ -70,6 +70,21 @@ def test_choose_direction_table(mbit, rtt_ms, expected, hidden):
     assert costs[exact["codec"]] == min(costs.values())
 
 
+def test_a_probe_within_round_trip_noise_gives_a_lower_bound_of_the_bandwidth():
+    from hf_actcomp.pipeline.probe import link_from
+
+    slow = link_from(131072, 0.105, 0.001)  # 128 KiB in 104 ms: 10 Mbit/s, measured
+    assert slow.bandwidth == pytest.approx(131072 / 0.104) and not slow.at_least
+    fast = link_from(131072, 0.00105, 0.001)  # 50 us over the round trip: noise
+    assert fast.bandwidth == pytest.approx(131072 / 0.000105) and fast.at_least
+    decision = choose(Measurements(compute=[0.03, 0.03], links=[{"forward": fast, "backward": slow}],
+                                   payload_shape=SHAPE), AutoConfig())
+    assert decision["measurements"]["links"][0]["forward"]["bandwidth_at_least"] is True
+    assert "bandwidth_at_least" not in decision["measurements"]["links"][0]["backward"]
+    assert "boundary 0 forward on >= 9.99e+03 Mbit/s, 1 ms RTT: none" in describe(decision)
+    assert "boundary 0 backward on 10.1 Mbit/s" in describe(decision)
+
+
 def test_step_cost_counts_fill_and_drain_and_what_compute_cannot_hide():
     assert step_cost(0.01, 0.05, 4) == pytest.approx(0.01)  # hidden, but the first and last transfer are not
     assert step_cost(0.08, 0.05, 4) == pytest.approx(0.08 + 4 * 0.03)
