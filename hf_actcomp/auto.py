@@ -9,9 +9,10 @@ the compute beside it. So a direction whose transfer takes t seconds per micro-b
     cost(t) = t + M x max(0, t - c)
 
 to a step. Per boundary and direction the choice is the least compression of the ladder whose
-cost is within `tolerance` x M x c of the cheapest rung's: once a transfer hides behind compute,
-more compression buys no speed, only quality cost. t is half the measured round trip plus the
-payload over the measured bandwidth. On a link where the round trip dominates, the bytes hardly
+cost is within its share of `tolerance` x M x c of the cheapest rung's (the tolerance is the
+step's, shared equally by its directions: 2 per boundary, and the tie's when it is chosen). Once
+a transfer hides behind compute, more compression buys no speed, only quality cost. t is half
+the measured round trip plus the payload over the measured bandwidth. On a link where the round trip dominates, the bytes hardly
 matter, so a weak codec is picked there.
 
 Quality in time. A rung that needs more steps to reach a given eval loss must save more than those
@@ -164,11 +165,12 @@ def choose_direction(rungs: list[Compression | None], link: Link, compute: float
                      extra: list[float] | None = None, step_seconds: float = 0.0) -> dict[str, Any]:
     """The rung for one direction: the least compression whose step cost, plus the steps it is
     charged (`extra[i]` x `step_seconds`), is within `tolerance` x the step's compute of the
-    cheapest rung's. (A tie's rung None is its exact form, the rows in fp32; `per_step`: one
-    transfer per step, on the step's critical path, as the tie's rows.)"""
+    cheapest rung's. (A tie's rung None is its exact form, the rows in fp32; `per_step`: two
+    transfers per step, both on the step's critical path, as the tie's rows before the first
+    forward and their gradient rows after the last backward.)"""
     options = [(c, payload_nbytes(c or NONE, shape, dtype)) for c in rungs]
     times = [link.seconds(n) for _, n in options]
-    costs = [t if per_step else step_cost(t, compute, micro_batches) for t in times]
+    costs = [2 * t if per_step else step_cost(t, compute, micro_batches) for t in times]
     extra = extra or [0.0] * len(rungs)
     charged = [cost + e * step_seconds for cost, e in zip(costs, extra, strict=True)]
     slack = tolerance * micro_batches * compute
@@ -209,9 +211,12 @@ def choose(measured: Measurements, config: AutoConfig) -> dict[str, Any]:
         tie = (TIE_LADDERS[config.aqsgd], slowest, (measured.tie_rows, shape[2]))
         best_step += cheapest(tie[0], slowest, compute, m, tie[2], torch.float32, per_step=True)
 
+    # the tolerance is the whole step's: each direction may use its share of it
+    share = config.tolerance / (2 * len(measured.links) + (tie is not None))
+
     def pick(kind: str, rungs: list[Compression | None], link: Link, shape=shape, dtype=dtype,
              per_step: bool = False) -> dict[str, Any]:
-        return choose_direction(rungs, link, compute, m, config.tolerance, shape, dtype, per_step=per_step,
+        return choose_direction(rungs, link, compute, m, share, shape, dtype, per_step=per_step,
                                 extra=[extra_steps(config, kind, r) for r in rungs], step_seconds=best_step)
 
     boundaries = [{d: pick(d, ladder(config, d), links[d]) for d in ("forward", "backward")} for links in measured.links]

@@ -334,15 +334,17 @@ class AutoConfig:
     """`Plan.auto(...)`: the codecs of each boundary direction chosen from measurements.
 
     Args:
-        quality: which measured settings may be picked (docs/quality.md): `"safe"` those within
-            0.3% of uncompressed fine-tuning's eval loss in every seed, `"fast"` those within 1%
-            (median over seeds).
+        quality: which measured settings may be picked (docs/quality.md), and at what charge:
+            `"safe"` those within 0.3% of uncompressed fine-tuning's eval loss in every seed, the
+            ones measured to need more steps to a target loss charged the worst run's extra steps
+            (docs/auto.md); `"fast"` those within 1% (median over seeds), charged the median.
         aqsgd: pick AQ-SGD for activations (needs `memory.num_samples` and a `sample_id` in
             every training batch; `ActCompTrainer` fills both); else stateless quantization.
         adapt_every: re-measure every N optimizer steps and switch a boundary's codec when the
             choice changes (None: measure once, at the first step; keeps runs reproducible).
         tolerance: the share of a step's compute that more compression may still save and yet
-            not be chosen (docs/auto.md: the least compression within it of the fastest).
+            not be chosen, over the whole step (each boundary direction and the tie gets an
+            equal part; docs/auto.md: the least compression within it of the fastest).
         probe_repeats: transfers and compute runs timed per measurement (the median is kept).
         decision: what was measured and chosen (filled by the pipeline; saved with the plan).
     """
