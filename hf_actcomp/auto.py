@@ -196,6 +196,8 @@ def choose(measured: Measurements, config: AutoConfig) -> dict[str, Any]:
     dict, codec, bytes, transfer seconds, step cost, steps charged, whether compute hides it),
     `tie` when the tie's codec was chosen too, the compute, the best step and the measurements
     (`plan_boundaries` / `tie_compression` turn it into a plan)."""
+    if not measured.links:
+        raise ValueError("Plan.auto chooses the codecs of stage boundaries, and 1 stage has none: use num_stages >= 2.")
     if len(measured.compute) != len(measured.links) + 1:
         raise ValueError(f"{len(measured.compute)} stages need {len(measured.compute) - 1} measured boundaries, "
                          f"got {len(measured.links)}.")

@@ -120,6 +120,8 @@ def test_choose_per_boundary_and_the_tie():
     assert aqsgd["tie"]["codec"] == "quantize4" and aqsgd["tie"]["step_cost_seconds"] == pytest.approx(
         2 * aqsgd["tie"]["transfer_seconds"])
     json.dumps(aqsgd)  # broadcast and saved as JSON
+    with pytest.raises(ValueError, match="1 stage has none: use num_stages >= 2"):
+        choose(Measurements(compute=[1], links=[], payload_shape=SHAPE), AutoConfig())
     with pytest.raises(ValueError, match="3 stages need 2 measured boundaries, got 1"):
         choose(Measurements(compute=[1, 1, 1], links=[{"forward": fast, "backward": fast}], payload_shape=SHAPE),
                AutoConfig())
