@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 test: setup
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests
 
 lint: setup
 	$(VENV)/bin/ruff check hf_actcomp tests benchmarks recipes

@@ -35,14 +35,11 @@ logger = logging.getLogger(__name__)
 COMPLETE_MARKER = "actcomp_complete.json"
 CHECKPOINT_PREFIX = "checkpoint"
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
-# Test hook: `step:rank:moment` makes that rank pause at that moment of that step and write its pid
-# to HF_ACTCOMP_FAULT_PID_FILE, so that a test can kill it there. Moments: `writing` (in the middle
-# of writing the step's checkpoint, after its first files), `after` (once that checkpoint is
-# complete) and `sync` (DiLoCo: in outer sync number `step`, after the quorum, before the
-# pseudo-gradient exchange). Only before the first restart: the restarted group runs through.
+# Test hook (see `maybe_pause_for_fault_test`, docs/reliability.md): never set in production.
 FAULT_ENV = "HF_ACTCOMP_FAULT_AT"
 FAULT_PID_FILE_ENV = "HF_ACTCOMP_FAULT_PID_FILE"
 FAULT_MOMENTS = ("writing", "after", "sync")
+FAULT_PAUSE_SECONDS = 120
 
 
 def restart_count() -> int:
@@ -213,18 +210,42 @@ def writing_checkpoint(path: str | os.PathLike, *, group: dist.ProcessGroup | No
 
 
 def maybe_pause_for_fault_test(step: int, rank: int, moment: str) -> None:
-    """The test hook of `FAULT_ENV` (a no-op unless set, and only before the first restart)."""
+    """Fault-injection hook for tests: a no-op unless `HF_ACTCOMP_FAULT_AT` is set. It is a test
+    hook, not a feature: never set it in production (the named rank stalls for two minutes).
+
+    `HF_ACTCOMP_FAULT_AT=STEP:RANK:MOMENT` (e.g. `4:1:after`) makes the process of global rank
+    `RANK` stop at `MOMENT` of step `STEP`: it writes its pid to the file named by
+    `HF_ACTCOMP_FAULT_PID_FILE` (if set; written to `FILE.tmp`, then renamed, so a reader never
+    sees a partial pid), then sleeps 120 s, for the test to kill it there by that pid
+    (tests/test_fault.py, tests/test_diloco.py). Not killed, it goes on as if nothing happened.
+    The moments, each called from one place:
+
+    - `writing`: in `hf_actcomp.training_state.save_training_state` for the checkpoint of step
+      `STEP`, after the stage's weights and compression state are written, before the optimizer
+      state, random state and progress (a torn checkpoint; the checkpoints of
+      `recipes/finetune_gpt2.py`, not those of `ActCompTrainer`);
+    - `after`: in `recipes/finetune_gpt2.py`, once the checkpoint of step `STEP` is complete;
+    - `sync`: DiLoCo (`hf_actcomp.dp.outer`), in this process's outer sync number `STEP` (from
+      1, syncs that failed included), after the quorum, before the pseudo-gradient exchange;
+      `RANK` is `replica * num_stages + stage`.
+
+    Only before the first restart (`TORCHELASTIC_RESTART_COUNT` unset or 0): the restarted group
+    runs through. A malformed value raises a ValueError at the first hook reached.
+    """
     spec = os.environ.get(FAULT_ENV)
     if not spec or restart_count() > 0:
         return
-    want_step, want_rank, want_moment = spec.split(":")
-    if want_moment not in FAULT_MOMENTS:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: the moment must be one of {', '.join(FAULT_MOMENTS)}.")
-    if (int(want_step), int(want_rank), want_moment) != (step, rank, moment):
+    parts = spec.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in FAULT_MOMENTS:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected STEP:RANK:MOMENT (e.g. 4:1:after), STEP and RANK "
+                         f"non-negative integers, MOMENT one of {', '.join(FAULT_MOMENTS)}. It is a test hook: "
+                         "unset it outside the fault tests.")
+    want_step, want_rank, want_moment = int(parts[0]), int(parts[1]), parts[2]
+    if (want_step, want_rank, want_moment) != (step, rank, moment):
         return
     pid_file = os.environ.get(FAULT_PID_FILE_ENV)
     if pid_file:
         with open(pid_file + ".tmp", "w") as f:
             f.write(str(os.getpid()))
         os.replace(pid_file + ".tmp", pid_file)
-    time.sleep(120)  # killed here by the test
+    time.sleep(FAULT_PAUSE_SECONDS)  # killed here by the test

@@ -18,6 +18,8 @@ from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback, WandbCallback
 
 from . import hub
+from .generation import check_split_generation
+from .models import unwrap_peft
 
 SAMPLES_KEY = "samples"  # where actcomp_results.json keeps them
 
@@ -76,7 +78,11 @@ class LogSamplesCallback(TrainerCallback):
     Args:
         trainer: the `ActCompTrainer` (it generates, and its tokenizer encodes).
         prompts: the texts to complete, the same at every evaluation.
-        **generate_kwargs: for `generate` (default: greedy, 32 new tokens).
+        **generate_kwargs: for `generate` (default: greedy, 32 new tokens). Only what
+            `Pipeline.generate` runs (greedy decoding or multinomial sampling, one sequence per
+            prompt), with one process too, so that a run samples alike on 1 and N processes:
+            anything else (`num_beams=4`, `num_return_sequences=2`, ..., also from the model's
+            `generation_config`) raises a ValueError here, before training.
     """
 
     def __init__(self, trainer, prompts: list[str], **generate_kwargs: Any) -> None:
@@ -87,6 +93,11 @@ class LogSamplesCallback(TrainerCallback):
         self.trainer = trainer
         self.prompts = check_prompts(prompts)
         self.generate_kwargs = {"max_new_tokens": 32, "do_sample": False, **generate_kwargs}
+        try:  # now rather than at the first evaluation, on every rank alike
+            check_split_generation(unwrap_peft(trainer.model), **self.generate_kwargs)
+        except ValueError as err:
+            raise ValueError(f"LogSamplesCallback samples with what Pipeline.generate runs, in one process too "
+                             f"(the same samples on 1 and N processes): {err}") from None
         self.samples: list[dict] = []  # {"step", "prompt", "completion"} of every evaluation so far
 
     def on_evaluate(self, args, state, control, **kwargs) -> None:

@@ -14,9 +14,7 @@ What differs from Trainer, and why, is in `docs/trainer.md`.
 
 from __future__ import annotations
 
-import math
 import os
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -26,17 +24,18 @@ import torch
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker, speed_metrics
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 
 from . import hub
-from .batching import count_label_tokens
 from .checkpoint import COMPRESSION_STATE_DIR
 from .data import SAMPLE_ID, add_sample_ids
+from .launch_env import count_every_process
 from .plan import Plan, launched_per_replica
 from .resume import resolve_resume_from_checkpoint, writing_checkpoint
 from .samples import SAMPLES_KEY, LogSamplesCallback, complete
 from .trackers import check_trackers
 from .trainer_backends import backend_for
+from .trainer_evaluation import EvalExtras
 
 
 class PadToLength:
@@ -99,6 +98,7 @@ class ActCompTrainer(Trainer):
             raise ValueError("ActCompTrainer needs a model (model_init is not supported: every rank splits the "
                              "model it is given).")
         args = args if args is not None else TrainingArguments(output_dir="trainer_output")
+        count_every_process(args)  # torchrun / accelerate launch on a CPU-only machine
         _check_arguments(args, plan, kwargs)
         aqsgd = plan.uses_aqsgd
         train_dataset = kwargs.get("train_dataset")
@@ -116,6 +116,7 @@ class ActCompTrainer(Trainer):
         super().__init__(model=model, args=args, **kwargs)
         self.plan = plan
         self._parameters_per_rank: int | None = None  # floating_point_ops' count, taken once
+        self.eval_extras = EvalExtras()  # what evaluation_loop adds to Trainer's metrics
         self._backend.start()
         self._train_collator = self.data_collator
         if aqsgd and train_dataset is not None:
@@ -237,41 +238,25 @@ class ActCompTrainer(Trainer):
         return 6 * inputs[main_input].numel() * self._parameters_per_rank
 
     # ------------------------------------------------------------------------- evaluation
-    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
-                 metric_key_prefix: str = "eval") -> dict[str, float]:
-        """`{prefix}_loss` / `_perplexity` through the boundary codecs at inference, and
-        `{prefix}_plain_loss` / `_plain_perplexity` without them. Losses are token-weighted means
-        over the whole evaluation set."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("ActCompTrainer: evaluation requires an eval_dataset.")
-        if isinstance(dataset, dict):
-            metrics: dict[str, float] = {}
-            for name, part in dataset.items():
-                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
-            return metrics
-        loader = self.get_eval_dataloader(dataset)
-        start = time.time()
-        compressed, plain, rows = self._evaluation_losses(loader)
-        metrics = {}
-        for name, loss in (("loss", compressed), ("plain_loss", plain)):
-            metrics[f"{metric_key_prefix}_{name}"] = loss
-            metrics[f"{metric_key_prefix}_{name.replace('loss', 'perplexity')}"] = math.exp(min(loss, 50.0))
-        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=rows, num_steps=len(loader)))
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
+    def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):
+        """Trainer's own loop (so `compute_metrics`, `preprocess_logits_for_metrics`, `predict()`
+        and the rest keep their contract), fed by the stages; the metrics also get
+        `{prefix}_plain_loss` (without the boundary codecs), `{prefix}_token_loss` /
+        `_plain_token_loss` (mean per predicted token) and `{prefix}_perplexity` /
+        `_plain_perplexity`. See `hf_actcomp.trainer_evaluation`."""
+        self.eval_extras = EvalExtras()
+        with self._backend.evaluation():
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
+                                             ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        output.metrics.update(self.eval_extras.metrics(metric_key_prefix))
+        return output
 
-    @torch.no_grad()
-    def _evaluation_losses(self, loader) -> tuple[float, float, int]:
-        sums, tokens, rows = [0.0, 0.0], 0, 0
-        for batch in loader:
-            n = count_label_tokens(batch["labels"])
-            for i, loss in enumerate(self._backend.eval_losses(batch)):
-                sums[i] += float(loss) * n
-            tokens += n
-            rows += batch["input_ids"].shape[0]
-        return sums[0] / max(tokens, 1), sums[1] / max(tokens, 1), rows
+    def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None):
+        """(loss, logits, labels) of one batch as Trainer's `prediction_step` returns them, on
+        every rank; with several processes the logits come from the last stage."""
+        return self._backend.prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
     def generate_samples(self, prompts: list[str], **generate_kwargs: Any) -> list[str]:
         """The completions of `prompts` by the model as it is now, with the plan's inference codec

@@ -11,6 +11,7 @@ holds only what its mode does differently:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -19,13 +20,17 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from . import hub
-from .data import SAMPLE_ID
 from .inference import compressed_inference
 from .models import unwrap_peft
 from .pipeline import prepare
 from .plan import Plan, launched_per_replica
 from .resume import init_distributed
 from .simulate import simulate
+from .trainer_evaluation import (
+    in_process_prediction_step,
+    pipelined_prediction_step,
+    without_gathering,
+)
 
 OPTIMIZER_FILE = "optimizer-rank{rank}.pt"
 SCHEDULER_FILE = "scheduler.pt"
@@ -118,17 +123,12 @@ class OneProcess(Backend):
         return self.sim.stats()
 
     # -- evaluation
-    def eval_losses(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """[through the codecs, without them]: the simulation, and the model itself."""
-        trainer = self.trainer
-        plain_inputs = {k: v for k, v in batch.items() if k != SAMPLE_ID}
-        was_training = trainer.model.training
-        self.sim.eval()
-        try:
-            with trainer.autocast_smart_context_manager():
-                return [self.sim(**batch).loss, trainer.model(**plain_inputs).loss]
-        finally:
-            self.sim.train(was_training)
+    def evaluation(self):
+        """What Trainer's evaluation loop runs within: nothing to change in one process."""
+        return contextlib.nullcontext()
+
+    def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys):
+        return in_process_prediction_step(self.trainer, self.base, model, inputs, prediction_loss_only, ignore_keys)
 
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """`model.generate` with the plan's inference codec at the boundaries."""
@@ -240,6 +240,7 @@ class Pipelined(Backend):
         optimizer = trainer.optimizer
         if hasattr(optimizer, "train") and callable(optimizer.train):
             optimizer.train()
+        self.pipe.train()  # Trainer's evaluation loop leaves the runner in eval mode
         out = self.pipe.train_step(inputs, num_items_in_batch=num_items_in_batch,
                                    sync=trainer.accelerator.sync_gradients)
         loss = out.loss.detach()
@@ -257,9 +258,23 @@ class Pipelined(Backend):
         return self.pipe.stats(gather=True)
 
     # -- evaluation
-    def eval_losses(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """[through the codecs, without them]."""
-        return [self.pipe.eval_step(batch, compress=c).loss for c in (True, False)]
+    @contextlib.contextmanager
+    def evaluation(self):
+        """Trainer's loop without its gathers across processes (every rank evaluates the whole
+        set, and gets the last stage's predictions from it); the stage's mode is kept."""
+        was_training = self.pipe.training
+        try:
+            with without_gathering(self.trainer) as preprocess:
+                self._preprocess = preprocess
+                yield
+        finally:
+            self._preprocess = None
+            self.pipe.train(was_training)
+
+    def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys):
+        """`ignore_keys` has nothing to drop: the last stage returns the logits only."""
+        preprocess = getattr(self, "_preprocess", None) or self.trainer.preprocess_logits_for_metrics
+        return pipelined_prediction_step(self.trainer, self.pipe, inputs, prediction_loss_only, preprocess)
 
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """`Pipeline.generate`: the model still split (collective over the pipeline)."""

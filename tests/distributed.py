@@ -4,12 +4,15 @@ something hangs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -41,12 +44,13 @@ def _report(results: list[WorkerResult], headline: str) -> str:
 
 
 def run_workers(script: str, world_size: int, args: list[str], timeout: float = 240,
-                check: bool = True) -> list[WorkerResult]:
+                check: bool = True, namespaces: list[tuple[str, str, str]] | None = None) -> list[WorkerResult]:
     """Run `tests/workers/<script>` in `world_size` processes with torch.distributed env vars.
 
     `timeout` bounds the whole job (not each rank in turn). Output goes to temporary files, so a
     chatty rank can never block on a full pipe. With `check`, any rank that failed or hung fails
-    the test with every rank's stderr.
+    the test with every rank's stderr. `namespaces`: per rank (network namespace, its address,
+    its interface), made by the test (`linked_namespaces`); rank 0's address is the rendezvous.
     """
     port = free_port()
     procs, files, killed = [], [], set()
@@ -57,10 +61,14 @@ def run_workers(script: str, world_size: int, args: list[str], timeout: float = 
                 env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                            HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+                prefix = []
+                if namespaces:
+                    env.update(MASTER_ADDR=namespaces[0][1], GLOO_SOCKET_IFNAME=namespaces[rank][2])
+                    prefix = ["ip", "netns", "exec", namespaces[rank][0]]
                 out = open(os.path.join(logs, f"rank{rank}.out"), "w+")  # noqa: SIM115 - closed below
                 err = open(os.path.join(logs, f"rank{rank}.err"), "w+")  # noqa: SIM115
                 files.append((out, err))
-                procs.append(subprocess.Popen([sys.executable, os.path.join(WORKERS, script), *args], env=env,
+                procs.append(subprocess.Popen([*prefix, sys.executable, os.path.join(WORKERS, script), *args], env=env,
                                               stdout=out, stderr=err, text=True))
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -84,3 +92,39 @@ def run_workers(script: str, world_size: int, args: list[str], timeout: float = 
         if failed:
             raise AssertionError(_report(results, f"{script} {args}: rank(s) {failed} failed"))
     return results
+
+
+@contextlib.contextmanager
+def linked_namespaces(mbit: float, burst: str = "16kb") -> Iterator[list[tuple[str, str, str]]]:
+    """Two network namespaces made for this test, joined by a veth pair whose ends are each
+    shaped to `mbit` Mbit/s (tc tbf): yields [(namespace, address, interface)] for ranks 0 and 1,
+    and removes both namespaces afterwards. Skips, saying why, where namespaces cannot be made
+    (not root, or no iproute2)."""
+    import pytest
+
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("a shaped link needs root and iproute2 (ip, tc) to make network namespaces")
+    tag = f"{os.getpid() % 100000}"
+    ends = [(f"hfacA{tag}", f"10.232.{os.getpid() % 250}.1", f"hvA{tag}"),
+            (f"hfacB{tag}", f"10.232.{os.getpid() % 250}.2", f"hvB{tag}")]
+    made = []
+
+    def sh(*cmd: str) -> None:
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+    try:
+        for ns, _, _ in ends:
+            sh("ip", "netns", "add", ns)
+            made.append(ns)
+        sh("ip", "link", "add", ends[0][2], "type", "veth", "peer", "name", ends[1][2])
+        for ns, addr, dev in ends:
+            sh("ip", "link", "set", dev, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
+               "burst", burst, "latency", "100ms")
+        yield ends
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)

@@ -37,8 +37,9 @@ def _greedy_samples(out, model, plan, new_tokens: int = 8) -> list[dict]:
 
 
 def launch(args: list[str], config: str = "cpu_2stage.yaml", timeout: int = 300,
-           extra_launch_args: tuple[str, ...] = (), script: str = "finetune_gpt2.py") -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+           extra_launch_args: tuple[str, ...] = (), script: str = "finetune_gpt2.py",
+           extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", **(extra_env or {}))
     cmd = [ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "recipes/configs", config),
            "--main_process_port", str(free_port()), *extra_launch_args, os.path.join(ROOT, "recipes", script), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -129,6 +130,39 @@ def test_recipe_pipeline_x_data_parallel(tmp_path):
     plan = Plan.from_pretrained(out)
     assert plan.data_parallel == 2 and plan.dp_compression == {"method": "topk", "ratio": 0.1}
     assert sorted(p.name for p in (out / "actcomp_state").glob("*.json")) == [f"rank{r}.json" for r in range(4)]
+
+
+def _saved_weights(out) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(out.glob("model*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def test_recipe_resumes_a_plan_auto_run_with_its_codecs(tmp_path):
+    """Plan.auto under the recipe, its link faked at 1 Mbit/s (so it chooses AQ-SGD activations
+    and quantized gradients), a checkpoint every 2 steps. A second run resumed from checkpoint-2
+    without the fake (a fast link now, where Plan.auto would choose `none`) takes the first run's
+    codecs back with their AQ-SGD memory and ends with the same weights, bit for bit."""
+    from hf_actcomp.pipeline.probe import FAKE_LINKS_ENV
+
+    slow = {"0": {"forward": {"bandwidth_mbit_s": 1}, "backward": {"bandwidth_mbit_s": 1}}, "compute_ms": 10}
+    common = ["--max_train_samples", "16", "--max_eval_samples", "8", "--epochs", "2", "--seq_len", "32",
+              "--batch_size", "4", "--plan", os.path.join(ROOT, "recipes/configs/plan_auto.yaml")]
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    launch([*common, "--output_dir", str(first), "--save_steps", "2"], extra_env={FAKE_LINKS_ENV: json.dumps(slow)})
+    proc = launch([*common, "--output_dir", str(resumed), "--resume_from_checkpoint", str(first / "checkpoint-2")])
+    assert "at step 2" in proc.stdout + proc.stderr
+    chosen, again = Plan.from_pretrained(first), Plan.from_pretrained(resumed)
+    codecs = (chosen.forward_at(0).describe(), chosen.backward_at(0).describe(), chosen.tie_compression.describe())
+    assert codecs[0].startswith("aqsgd-") and codecs[1].startswith("quantize"), codecs
+    assert (again.forward_at(0).describe(), again.backward_at(0).describe(), again.tie_compression.describe()) == codecs
+    expected, got = _saved_weights(first), _saved_weights(resumed)
+    assert expected and got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
 
 
 def test_trainer_recipe_with_lora(tmp_path):

@@ -95,23 +95,33 @@ def save(sim, optimizer, directory, step: int = 3) -> None:
                             progress={"step": step})
 
 
+DROPOUT = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+
+
 def test_a_resumed_simulation_continues_bit_for_bit(tmp_path):
     """Weights, AdamW, AQ-SGD memory, error feedback, tie tables and the RNG (dropout) all come back."""
     batches = list(training_batches(debug_model("gpt2").config.vocab_size, 6))
-    sim, optimizer = fresh()
-    sim.model.config.resid_pdrop = 0.1
+    sim, optimizer = fresh(**DROPOUT)
+    assert sim.model.training and any(isinstance(m, torch.nn.Dropout) and m.p == 0.1 for m in sim.model.modules())
     train(sim, optimizer, batches[:3])
     save(sim, optimizer, tmp_path / "checkpoint-3")
     train(sim, optimizer, batches[3:])
     expected = {n: p.detach().clone() for n, p in sim.model.named_parameters()}
 
-    other, other_optimizer = fresh()
-    torch.manual_seed(123)  # the RNG must come from the checkpoint, not from here
-    progress = load_training_state(tmp_path / "checkpoint-3", rank=0, module=other.model, optimizer=other_optimizer,
-                                   compression=other.compression)
-    assert progress == {"step": 3}
-    train(other, other_optimizer, batches[3:])
-    for name, p in other.model.named_parameters():
+    def resumed(ignore_saved_rng: bool) -> dict[str, torch.Tensor]:
+        other, other_optimizer = fresh(**DROPOUT)
+        torch.manual_seed(123)  # the RNG must come from the checkpoint, not from here
+        progress = load_training_state(tmp_path / "checkpoint-3", rank=0, module=other.model,
+                                       optimizer=other_optimizer, compression=other.compression)
+        assert progress == {"step": 3}
+        if ignore_saved_rng:
+            torch.manual_seed(123)
+        train(other, other_optimizer, batches[3:])
+        return dict(other.model.named_parameters())
+
+    # the dropout masks depend on the RNG: without the checkpoint's, the run differs
+    assert not all(torch.equal(p, expected[n]) for n, p in resumed(ignore_saved_rng=True).items())
+    for name, p in resumed(ignore_saved_rng=False).items():
         assert torch.equal(p, expected[name]), name
 
 
@@ -142,12 +152,14 @@ def test_state_from_another_run_is_refused_before_anything_changes(tmp_path, wha
                                     "rng-rank0.safetensors", "optimizer-rank0.pt"])
 def test_a_truncated_file_is_an_error_naming_it(tmp_path, victim):
     sim, optimizer = fresh()
-    save(sim, optimizer, tmp_path / "c")
-    path = tmp_path / "c" / victim
+    directory = checkpoint_dir(tmp_path, 3)
+    save(sim, optimizer, directory)
+    assert latest_checkpoint(tmp_path) == directory
+    path = tmp_path / "checkpoint-3" / victim
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     other, other_optimizer = fresh()
     with pytest.raises(ValueError, match=f"{path}.*(truncated|damaged)"):
-        load_training_state(tmp_path / "c", rank=0, module=other.model, optimizer=other_optimizer,
+        load_training_state(directory, rank=0, module=other.model, optimizer=other_optimizer,
                             compression=other.compression)
     assert latest_checkpoint(tmp_path) is None  # and `auto` would not have picked it
 

@@ -67,9 +67,16 @@ def test_in_process_matches_plain_trainer(tmp_path):
     assert first_log["comm/compression_ratio"] == 1.0
     assert first_log["comm/boundary0.forward/relative_error"] == 0.0
 
+    # eval_loss is Trainer's own number (its batch mean over Trainer's token count); the mean per
+    # predicted token and the perplexity stand beside it
     metrics = trainer.evaluate()
+    expected = reference.evaluate(ragged_dataset(8, seed=1))
+    assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
     assert metrics["eval_loss"] == pytest.approx(metrics["eval_plain_loss"], rel=1e-5)  # identity codec
-    assert metrics["eval_perplexity"] == pytest.approx(torch.tensor(metrics["eval_loss"]).exp().item(), rel=1e-6)
+    token_loss = _token_weighted_loss(reference_model, ragged_dataset(8, seed=1), batch_size=4)
+    assert metrics["eval_token_loss"] == pytest.approx(token_loss, rel=1e-5)
+    assert abs(metrics["eval_token_loss"] - metrics["eval_loss"]) > 0.01  # two different means
+    assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_token_loss"]), rel=1e-6)
 
 
 def test_backends_offer_the_same_methods():
@@ -340,12 +347,14 @@ def test_distributed_matches_plain_trainer(tmp_path, request, data_parallel):
     out, results = _results(root, "plain", world)
     if data_parallel == 1:  # the other stage's blocks were never loaded
         assert all(result["meta_parameters"] > 0 for result in results)
-    expected_eval = _token_weighted_loss(reference_model, ragged_dataset(8, seed=1), batch_size=4)
+    expected_eval = reference.evaluate(ragged_dataset(8, seed=1))["eval_loss"]  # Trainer's own number
+    token_loss = _token_weighted_loss(reference_model, ragged_dataset(8, seed=1), batch_size=4)
     for rank, result in enumerate(results):
         norms = [h["grad_norm"] for h in result["logs"]]
         _assert_same_run(reference, result["losses"], norms, _stage_weights(out, world, 2)[rank], reference_model)
-        assert result["metrics"]["eval_plain_loss"] == pytest.approx(expected_eval, rel=1e-5)
-        assert result["metrics"]["eval_loss"] == pytest.approx(expected_eval, rel=1e-5)  # identity codec
+        assert result["metrics"]["eval_loss"] == pytest.approx(expected_eval, rel=1e-5)
+        assert result["metrics"]["eval_plain_loss"] == pytest.approx(expected_eval, rel=1e-5)  # identity codec
+        assert result["metrics"]["eval_token_loss"] == pytest.approx(token_loss, rel=1e-5)
         if data_parallel == 1:  # replicas pad their own half-batches, so their token counts differ
             # Trainer sums the ranks' flop estimates: each rank counts its stage's share, once.
             assert result["total_flos"] == pytest.approx(reference.state.total_flos, rel=1e-9)

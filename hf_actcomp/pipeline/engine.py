@@ -32,7 +32,13 @@ from ..codecs import make_codec
 from ..dp import make_compressor
 from ..dp.base import ring_allreduce_bytes
 from ..dp.outer import OuterSync, bind_host, lighthouses
-from ..generation import CachedStage, generation_pieces, next_tokens, positions_from_mask
+from ..generation import (
+    CachedStage,
+    check_split_generation,
+    generation_pieces,
+    next_tokens,
+    positions_from_mask,
+)
 from ..memory import replica_sample_range
 from ..models import get_adapter, unwrap_peft
 from ..models.router import RouterLoss, router_spec
@@ -44,6 +50,7 @@ from .gradsync import GradientSync, TiedEmbedding
 from .link import NEXT_TOKENS_TAG, StageLink
 from .loading import load_stage_model
 from .mesh import build_mesh, check_world_size
+from .predictions import share_from_last
 from .probe import agree, measure_links, timed_median
 from .schedule import stage_actions
 from .transport import Transport
@@ -62,8 +69,9 @@ class StepOutput:
     `num_tokens` is the number of label tokens in this rank's batch.
     """
 
-    loss: torch.Tensor
+    loss: torch.Tensor | None
     num_tokens: int
+    logits: torch.Tensor | None = None  # `eval_step(keep_logits=True)`, on the last stage only
 
 
 class Pipeline(nn.Module):
@@ -130,7 +138,8 @@ class Pipeline(nn.Module):
         self._uncompressed = make_codec("none")  # `eval_step(compress=False)`
         # Bytes outside the boundary channels; `evaluation` is everything `eval_step` sends.
         self.traffic = {"tie": TrafficCounter(), "collectives": TrafficCounter(), "evaluation": TrafficCounter(),
-                        "inference": TrafficCounter()}  # inference: everything `generate` sends
+                        "inference": TrafficCounter(),  # inference: everything `generate` sends
+                        "predictions": TrafficCounter()}  # the last stage's predictions, for Trainer's metrics
 
         # The ends of the two boundaries this stage touches (boundary b joins stage b and b+1).
         # With data parallelism, AQ-SGD memory holds only this replica's shard of the samples.
@@ -430,17 +439,26 @@ class Pipeline(nn.Module):
                         f" ({memory})" if memory else "")
 
     @torch.no_grad()
-    def eval_step(self, batch: dict[str, torch.Tensor], *, compress: bool = True) -> StepOutput:
+    def eval_step(self, batch: dict[str, torch.Tensor], *, compress: bool = True,
+                  num_items_in_batch: int | torch.Tensor | None = None, keep_logits: bool = False) -> StepOutput:
         """Loss of `batch` without gradients, through the stateless inference codec (AQ-SGD falls
         back as `Compression.inference` says); training state and the module's mode are kept.
-        With `compress=False` activations cross uncompressed: the model's loss without the codec."""
-        check_batch(batch, self.plan, training=False)
+        With `compress=False` activations cross uncompressed: the model's loss without the codec.
+        `num_items_in_batch`: divide the token-loss sum by it (as `train_step`; default: the mean).
+        `keep_logits`: the last stage also returns the whole batch's logits. Without labels there
+        is no loss (`loss` None)."""
+        has_labels = batch.get("labels") is not None
+        check_batch(batch, self.plan, training=False, needs_labels=has_labels)
         was_training = self.stage.training
         self.stage.eval()
+        logits = []
         try:
             micro = split_batch(batch, self.plan.micro_batches, self.device)
-            num_tokens = count_label_tokens(batch["labels"])
-            normaliser = self._loss_normaliser(num_tokens, None)
+            num_tokens = count_label_tokens(batch["labels"]) if has_labels else 0
+            normaliser = None
+            if has_labels and self.is_last:  # every replica evaluates the whole batch: no share of a count
+                normaliser = (self._loss_normaliser(num_tokens, None) if num_items_in_batch is None else
+                              torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=self.device))
             counter = self.traffic["evaluation"]
             receiver = self.forward_in and (self.forward_in.inference if compress else self._uncompressed)
             sender = self.forward_out and (self.forward_out.inference if compress else self._uncompressed)
@@ -457,14 +475,25 @@ class Pipeline(nn.Module):
                     out = self.stage(x, mb.attention_mask)
                 stats, probs = self.router.partial(mb.attention_mask, self.device, side) if self.router else (None, None)
                 if self.is_last:
-                    loss = self._loss(out, mb.labels, normaliser).float()
-                    total += loss if stats is None else loss + self.router.whole_loss(stats, probs)
+                    if keep_logits:
+                        logits.append(out)
+                    if has_labels:
+                        loss = self._loss(out, mb.labels, normaliser).float()
+                        total += loss if stats is None else loss + self.router.whole_loss(stats, probs)
                 else:
                     self.links["forward_out"].send(i, out, stats, codec=sender, counter=counter)
             self.transport.flush()
         finally:
             self.stage.train(was_training)
-        return StepOutput(loss=self._broadcast_loss(self._mean_over_replicas(total)), num_tokens=num_tokens)
+        loss = self._broadcast_loss(self._mean_over_replicas(total)) if has_labels else None
+        return StepOutput(loss=loss, num_tokens=num_tokens, logits=torch.cat(logits) if logits else None)
+
+    def share_predictions(self, value):
+        """The last stage's `value` (a tensor, a tuple or list of tensors, or None: e.g. its
+        preprocessed logits) on every rank of this pipeline, counted under `predictions`.
+        Collective over the pipeline."""
+        return share_from_last(value, ranks=self.mesh.ranks, rank=self.mesh.rank, group=self.group,
+                               device=self.device, counter=self.traffic["predictions"])
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -478,8 +507,15 @@ class Pipeline(nn.Module):
         and stopping criteria (`max_new_tokens`, `eos_token_id`, `pad_token_id`, `do_sample`,
         `temperature`, `top_k`, `top_p`, ...) and sends them to the others. Left padding and
         batched prompts of different lengths work as in `model.generate`.
+
+        Greedy decoding and multinomial sampling only, one sequence per prompt: any other mode of
+        `model.generate` (`num_beams` > 1, `num_return_sequences` > 1, contrastive search,
+        `assistant_model`, constraints, ...), whether from the arguments or from
+        `model.generation_config`, raises a ValueError naming it before any work, on every rank
+        alike (`hf_actcomp.generation.check_generation_mode`; see docs/generation.md).
         """
         model = unwrap_peft(self.model)
+        check_split_generation(model, generation_config, **kwargs)  # before any work or message
         was_training = model.training
         model.eval()
         try:

@@ -1,6 +1,7 @@
 """Worker of the Plan.auto tests: `python auto_worker.py SCENARIO OUT_DIR`.
 
 mixed (3 ranks): boundary 0 faked fast, boundary 1 faked slow; 4 SGD steps; losses, stats, plan.
+shaped (2 ranks, each in its own network namespace): what Plan.auto measures over a real shaped link.
 adapt (2 ranks): a plain `none` run of 2 steps, then Plan.auto(aqsgd, adapt_every=2) for 6 steps
     whose faked link slows down after steps 2 and 4; then a fresh auto pipeline loads the state.
 """
@@ -30,6 +31,17 @@ def mixed(out_dir: str) -> None:
     pipe = hf_actcomp.prepare(debug_model("gpt2", seed=0), Plan.auto(num_stages=3, micro_batches=4), timeout=60)
     losses = sgd_losses(pipe, lambda batch: pipe.train_step(batch).loss, 4)
     return {"losses": losses, "stats": pipe.stats(gather=True), "plan": pipe.plan.to_dict()}
+
+
+def shaped(out_dir: str) -> dict:
+    """2 ranks over a shaped link (the test made it; nothing faked): Plan.auto measures it at
+    the first step. Micro-batches of 4 x 256 tokens x 64 fp32 (256 KiB: a 128 KiB probe)."""
+    model = debug_model("gpt2", seed=0, n_positions=256)
+    pipe = hf_actcomp.prepare(model, Plan.auto(num_stages=2, micro_batches=2), timeout=120)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, pipe.config.vocab_size, (8, 256), generator=g)
+    pipe.train_step({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    return {"decision": pipe.plan.autotune.decision}
 
 
 def parameters(pipe) -> list[torch.Tensor]:
@@ -81,7 +93,7 @@ def adapt(out_dir: str) -> dict:
 def main() -> None:
     scenario, out_dir = sys.argv[1:]
     dist.init_process_group("gloo")
-    result = {"mixed": mixed, "adapt": adapt}[scenario](out_dir)
+    result = {"mixed": mixed, "adapt": adapt, "shaped": shaped}[scenario](out_dir)
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

@@ -88,16 +88,19 @@ def mean(out_dir: str, num_stages: str, compression: str) -> None:
     snapshots = {}
     optimizer.register_step_post_hook(lambda *_: snapshots.update(before=weights(pipe)))
     pipe.attach_optimizer(optimizer)
-    tensors = {}
+    tensors = {f"start.{n}": t for n, t in weights(pipe).items()}
 
     def on_step(step: int) -> None:
         if step % 4 == 3:
             tensors.update({f"before{step}.{n}": t for n, t in snapshots["before"].items()})
             tensors.update({f"after{step}.{n}": t for n, t in weights(pipe).items()})
+            if pipe.outer.codec is not None:  # what this replica's payload missed (error feedback)
+                tensors[f"error{step}"] = pipe.outer.codec.error.clone()
 
     losses = train(pipe, optimizer, 8, model.config.vocab_size, on_step)
     info = {"dp": pipe.stats()["categories"]["data_parallel"], "losses": losses,
-            "numel": sum(p.numel() for _, p in pipe.grads.trainable())}
+            "numel": sum(p.numel() for _, p in pipe.grads.trainable()),
+            "names": [n for n, _ in pipe.outer.named]}  # the order the pseudo-gradient is flattened in
     if pipe.outer.codec is not None:
         info["payload_nbytes"] = pipe.outer.codec.payload_nbytes
     save(out_dir, f"mean-{compression}", tensors, info)

@@ -103,9 +103,11 @@ def main() -> None:
                 path = family.split(":", 1)[1]
                 pipe = hf_actcomp.prepare(path, Plan(num_stages=dist.get_world_size()), timeout=60)
                 ids, mask = left_padded_prompts(pipe.model)
+                held = {n: p.numel() for n, p in pipe.model.named_parameters() if p.device.type != "meta"}
+                blocks = pipe.ranges[pipe.stage_index]
                 results["loaded"] = {
                     "got": pipe.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False).tolist(),
-                    "held": sum(p.numel() for p in pipe.model.parameters() if p.device.type != "meta")}
+                    "held": held, "blocks": [blocks.start, blocks.stop]}
                 continue
             model = build(family)
             ids, mask = left_padded_prompts(model)

@@ -1,0 +1,142 @@
+"""`ActCompTrainer`'s evaluation: Trainer's own `evaluation_loop`, fed by the stages.
+
+`evaluate()` and `predict()` are Trainer's, so `compute_metrics`, `preprocess_logits_for_metrics`,
+`include_for_metrics`, `eval_accumulation_steps`, `batch_eval_metrics`, `prediction_loss_only`
+and `metric_for_best_model` keep their contract. What differs is where a batch's loss and logits
+come from:
+
+- one process: Trainer's `prediction_step` on the in-process stages (`simulate`);
+- several processes: `Pipeline.eval_step` on every rank of the pipeline; only the last stage has
+  logits, so it runs `preprocess_logits_for_metrics` on them and shares the result with the
+  other stages (`Pipeline.share_predictions`, counted under `predictions`). Every rank already
+  evaluated the whole set (evaluation is not sharded), so Trainer's gather across processes is
+  switched off for the loop: every rank ends with what plain Trainer returns.
+
+`eval_loss` is Trainer's number: each batch's token-loss sum divided by Trainer's
+`num_items_in_batch` count for it (the model's mean when the model takes no loss kwargs),
+averaged over batches as Trainer does. Beside it (`EvalExtras`): `eval_plain_loss` (the same
+without the boundary codecs), `eval_token_loss` / `eval_plain_token_loss` (the mean per
+predicted token over the whole set) and the perplexities, exp of the token losses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+from transformers.trainer_pt_utils import nested_detach
+
+from .batching import BATCH_KEYS, count_label_tokens
+
+
+def trainer_item_count(trainer, inputs: dict[str, Any]) -> int | None:
+    """What plain Trainer in one process divides a batch's token-loss sum by
+    (`Trainer._get_num_items_in_batch` without its cross-process gather, which here would add
+    the stages of one pipeline), or None where Trainer lets the model take its own mean."""
+    if inputs.get("labels") is None or not (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func):
+        return None
+    if "shift_labels" in inputs:
+        labels = inputs["shift_labels"]
+    else:
+        labels = inputs["labels"][..., 1:] if trainer._loss_shifts_labels else inputs["labels"]
+    return int(labels.ne(-100).sum())
+
+
+class EvalExtras:
+    """The metrics ActCompTrainer adds to Trainer's: the loss without the codec, and the mean per
+    predicted token with and without it (sums over one evaluation)."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.plain = 0.0  # sum of the batches' losses without the codec (Trainer's definition)
+        self.token_sums = [0.0, 0.0]  # token-loss sums with and without the codec
+        self.tokens = 0
+
+    def add(self, loss: torch.Tensor | None, plain: torch.Tensor | None, count: int | None, labels) -> None:
+        if loss is None or plain is None:
+            return
+        tokens = count_label_tokens(labels)
+        divisor = count if count is not None else tokens
+        self.batches += 1
+        self.plain += float(plain)
+        self.token_sums[0] += float(loss) * divisor
+        self.token_sums[1] += float(plain) * divisor
+        self.tokens += tokens
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        if not self.batches:
+            return {}
+        token_loss, plain_token_loss = (s / max(self.tokens, 1) for s in self.token_sums)
+        return {f"{prefix}_plain_loss": self.plain / self.batches,
+                f"{prefix}_token_loss": token_loss, f"{prefix}_plain_token_loss": plain_token_loss,
+                f"{prefix}_perplexity": math.exp(min(token_loss, 50.0)),
+                f"{prefix}_plain_perplexity": math.exp(min(plain_token_loss, 50.0))}
+
+
+def _labels(trainer, inputs: dict[str, Any]):
+    """The labels as Trainer's `prediction_step` returns them (None without them)."""
+    if not trainer.label_names or not all(inputs.get(k) is not None for k in trainer.label_names):
+        return None
+    labels = nested_detach(tuple(inputs.get(name) for name in trainer.label_names))
+    return labels[0] if len(labels) == 1 else labels
+
+
+def in_process_prediction_step(trainer, base, model, inputs, prediction_loss_only: bool, ignore_keys):
+    """Trainer's `prediction_step` on the in-process stages, plus the loss without the codec
+    (the model itself), noted in `trainer.eval_extras`."""
+    loss, logits, labels = base.prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+    plain = None
+    if loss is not None:
+        inputs = trainer._prepare_inputs(inputs)
+        count = trainer_item_count(trainer, inputs)
+        plain_inputs = {k: v for k, v in inputs.items() if k != "sample_id"}
+        if count is not None and trainer.model_accepts_loss_kwargs:
+            plain_inputs["num_items_in_batch"] = count
+        with torch.no_grad(), trainer.compute_loss_context_manager(), trainer.autocast_smart_context_manager():
+            plain = trainer.model(**plain_inputs).loss.detach()
+        trainer.eval_extras.add(loss, plain, count, inputs["labels"])
+    return loss, logits, labels
+
+
+def pipelined_prediction_step(trainer, pipe, inputs, prediction_loss_only: bool, preprocess):
+    """Loss, predictions and labels of one batch from this rank's stage: the loss and the
+    (preprocessed, on the last stage) logits on every rank of the pipeline."""
+    inputs = trainer._prepare_inputs(inputs)
+    labels = _labels(trainer, inputs)
+    count = trainer_item_count(trainer, inputs)
+    batch = {k: inputs[k] for k in BATCH_KEYS if inputs.get(k) is not None}
+    out = pipe.eval_step(batch, compress=True, num_items_in_batch=count, keep_logits=not prediction_loss_only)
+    loss = out.loss
+    if loss is not None:
+        loss = loss.detach().to(trainer.args.device)
+        plain = pipe.eval_step(batch, compress=False, num_items_in_batch=count).loss
+        trainer.eval_extras.add(loss, plain, count, batch["labels"])
+    if prediction_loss_only:
+        return loss, None, None
+    predictions = out.logits
+    if pipe.is_last and preprocess is not None:
+        predictions = preprocess(predictions, labels)
+    return loss, pipe.share_predictions(predictions), labels
+
+
+@contextlib.contextmanager
+def without_gathering(trainer):
+    """Within one evaluation loop: Trainer's gather and padding across processes become the
+    identity (every rank holds the whole evaluation already), and its own
+    `preprocess_logits_for_metrics` is skipped (the last stage ran it); all restored after."""
+    accelerator, preprocess = trainer.accelerator, trainer.preprocess_logits_for_metrics
+    trainer.gather_function = _identity
+    accelerator.pad_across_processes = _identity
+    trainer.preprocess_logits_for_metrics = None
+    try:
+        yield preprocess
+    finally:
+        del accelerator.pad_across_processes  # the instance attribute: the method shows again
+        trainer.gather_function = accelerator.gather_for_metrics
+        trainer.preprocess_logits_for_metrics = preprocess
+
+
+def _identity(tensor, *args, **kwargs):  # noqa: ARG001 (pad_across_processes' dim, pad_index, pad_first)
+    return tensor
