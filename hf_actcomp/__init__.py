@@ -14,11 +14,13 @@ from .simulate import SimulatedPipeline, simulate
 if TYPE_CHECKING:
     from . import hub, trackers
     from .samples import LogSamplesCallback
+    from .sft_trainer import ActCompSFTTrainer
     from .trainer import ActCompTrainer
 
 from .version import __version__
 
 __all__ = [
+    "ActCompSFTTrainer",
     "ActCompTrainer",
     "CompressedInference",
     "LogSamplesCallback",
@@ -53,6 +55,10 @@ def __getattr__(name: str):
         from .trainer import ActCompTrainer
 
         return ActCompTrainer
+    if name == "ActCompSFTTrainer":  # needs TRL: `pip install 'hf-actcomp[trl]'`
+        from .sft_trainer import ActCompSFTTrainer
+
+        return ActCompSFTTrainer
     if name == "LogSamplesCallback":
         from .samples import LogSamplesCallback
 

@@ -42,10 +42,10 @@ def check_batch(batch: dict[str, torch.Tensor | None], plan: Plan, training: boo
             f"{sorted(batch)}."
         )
     rows, num_micro = batch["input_ids"].shape[0], plan.micro_batches
-    if rows < num_micro:
+    if training and rows < num_micro:
         raise ValueError(
-            f"A batch of {rows} rows cannot be split into plan.micro_batches={num_micro}; "
-            f"use a batch size >= {num_micro}."
+            f"A training batch of {rows} rows cannot be split into plan.micro_batches={num_micro}; "
+            f"use a batch size >= {num_micro} (and dataloader_drop_last=True where the last batch is short)."
         )
     if needs_labels and batch.get("labels") is None:
         raise ValueError("The batch needs 'labels' to compute the loss on the last stage.")
@@ -56,6 +56,12 @@ def check_batch(batch: dict[str, torch.Tensor | None], plan: Plan, training: boo
                 "Add it with hf_actcomp.add_sample_ids(dataset)."
             )
         check_sample_ids(batch["sample_id"], sample_range or plan.memory.num_samples, rows)
+
+
+def micro_batch_count(batch: dict[str, torch.Tensor | None], plan: Plan, training: bool) -> int:
+    """`plan.micro_batches`; evaluation of a batch with fewer rows (the last of a set) runs one
+    micro-batch per row instead (no state depends on the count there)."""
+    return plan.micro_batches if training else min(plan.micro_batches, batch["input_ids"].shape[0])
 
 
 def split_batch(batch: dict[str, torch.Tensor | None], num_micro: int,

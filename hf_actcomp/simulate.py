@@ -22,10 +22,11 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .batching import MicroBatch, check_batch, count_label_tokens, split_batch
+from .batching import MicroBatch, check_batch, count_label_tokens, micro_batch_count, split_batch
 from .boundary import Boundary
 from .checkpoint import CompressionState, model_fingerprint
 from .models import get_adapter
+from .models.compile import compile_blocks, compile_options
 from .models.router import RouterLoss, router_spec
 from .models.split import stage_ranges
 from .plan import Plan
@@ -91,8 +92,10 @@ class SimulatedPipeline(nn.Module):
     apply the stateless inference codec (see `Compression.inference`).
     """
 
-    def __init__(self, model: nn.Module, plan: Plan) -> None:
+    def __init__(self, model: nn.Module, plan: Plan, *, compile: bool = False,
+                 compile_kwargs: dict | None = None) -> None:
         super().__init__()
+        options = compile_options(compile, compile_kwargs)
         if plan.autotune is not None and plan.autotune.decision is None:
             raise ValueError(
                 "Plan.auto measures the links between the processes of a pipeline at its first step; in one "
@@ -108,6 +111,8 @@ class SimulatedPipeline(nn.Module):
             self.adapter.build_stage(r.start, r.stop, first=i == 0, last=i == last)
             for i, r in enumerate(self.ranges)
         ]
+        if options is not None:  # the blocks only; the boundaries and the glue stay eager
+            compile_blocks(self.stages, **options)
         # MoE with output_router_logits: transformers' load-balancing loss over every layer.
         self.router = RouterLoss(model, model) if router_spec(model) is not None else None
         # Both ends of every boundary direction live here: `boundary{b}.forward` / `.backward`.
@@ -162,7 +167,7 @@ class SimulatedPipeline(nn.Module):
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "sample_id": sample_id}
         compress = self.training
         check_batch(batch, self.plan, training=compress, needs_labels=False)
-        micro = split_batch(batch, self.plan.micro_batches)
+        micro = split_batch(batch, micro_batch_count(batch, self.plan, compress))
         num_items = num_items_in_batch
         if num_items is None and labels is not None and len(micro) > 1:
             num_items = count_label_tokens(labels)  # per-micro-batch means would weight rows unevenly
@@ -253,12 +258,16 @@ class SimulatedPipeline(nn.Module):
         self.compression.load(directory)
 
 
-def simulate(model: nn.Module, plan: Plan) -> SimulatedPipeline:
+def simulate(model: nn.Module, plan: Plan, *, compile: bool = False,
+             compile_kwargs: dict | None = None) -> SimulatedPipeline:
     """Wrap `model` so that training and evaluation go through the plan's compressed boundaries.
 
     The model's parameters are shared, not copied: optimise `sim.parameters()` (or the model's).
+    `compile=True` compiles each decoder block in place with `torch.compile` (`compile_kwargs`:
+    its backend, mode, dynamic, ...); the boundaries, embeddings, head and loss stay eager
+    (hf_actcomp/models/compile.py).
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a hf_actcomp.Plan, got {type(plan).__name__}.")
     plan.check_memory()
-    return SimulatedPipeline(model, plan)
+    return SimulatedPipeline(model, plan, compile=compile, compile_kwargs=compile_kwargs)

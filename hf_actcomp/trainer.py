@@ -28,14 +28,20 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 
 from . import hub
 from .checkpoint import COMPRESSION_STATE_DIR
-from .data import SAMPLE_ID, add_sample_ids
+from .data import SAMPLE_ID
 from .launch_env import count_every_process
-from .plan import Plan, launched_per_replica
+from .plan import Plan
 from .resume import resolve_resume_from_checkpoint, writing_checkpoint
 from .samples import SAMPLES_KEY, LogSamplesCallback, complete
-from .trackers import check_trackers
 from .trainer_backends import backend_for
-from .trainer_evaluation import EvalExtras
+from .trainer_checks import (
+    _check_arguments,
+    _check_ids_are_rows,
+    _longest_row,
+    _with_num_samples,
+    _with_sample_ids,
+)
+from .trainer_evaluation import EvalExtras, trainer_item_count
 
 
 class PadToLength:
@@ -100,29 +106,35 @@ class ActCompTrainer(Trainer):
         args = args if args is not None else TrainingArguments(output_dir="trainer_output")
         count_every_process(args)  # torchrun / accelerate launch on a CPU-only machine
         _check_arguments(args, plan, kwargs)
-        aqsgd = plan.uses_aqsgd
-        train_dataset = kwargs.get("train_dataset")
-        if aqsgd and train_dataset is not None:
-            kwargs["train_dataset"] = train_dataset = _with_sample_ids(train_dataset)
-            plan = _with_num_samples(plan, max(len(train_dataset), max(train_dataset[SAMPLE_ID]) + 1))
-            if plan.data_parallel > 1:
-                _check_ids_are_rows(train_dataset, plan)
         autocast_dtype = torch.bfloat16 if args.bf16 else None
         # Before Trainer.__init__: with several processes a checkpoint given by name is loaded
         # stage by stage, and Trainer must not move the model.
         self._backend = backend_for(args.world_size, plan)(self, super(), plan, timeout=timeout,
                                                      autocast_dtype=autocast_dtype)
         model = self._backend.load(model, torch_dtype)
+        # The parent prepares the data (TRL's SFTTrainer tokenizes, packs and wraps the model with
+        # PEFT here); everything that reads the training rows comes after it.
         super().__init__(model=model, args=args, **kwargs)
-        self.plan = plan
+        self.plan = self._backend.plan = self._plan_for_training_rows(plan)
         self._parameters_per_rank: int | None = None  # floating_point_ops' count, taken once
         self.eval_extras = EvalExtras()  # what evaluation_loop adds to Trainer's metrics
         self._backend.start()
         self._train_collator = self.data_collator
-        if aqsgd and train_dataset is not None:
-            length = pad_to_length or _longest_row(train_dataset)
+        if self.plan.uses_aqsgd and self.train_dataset is not None:
+            length = pad_to_length or _longest_row(self.train_dataset)
             pad_id = getattr(self.processing_class, "pad_token_id", None)
             self._train_collator = PadToLength(self.data_collator, length, pad_id if pad_id is not None else 0)
+
+    def _plan_for_training_rows(self, plan: Plan) -> Plan:
+        """AQ-SGD keys its memory by sample: a `sample_id` column on the (prepared) training set,
+        and `memory.num_samples` covering its ids."""
+        if not plan.uses_aqsgd or self.train_dataset is None:
+            return plan
+        self.train_dataset = _with_sample_ids(self.train_dataset)
+        plan = _with_num_samples(plan, max(len(self.train_dataset), max(self.train_dataset[SAMPLE_ID]) + 1))
+        if plan.data_parallel > 1:
+            _check_ids_are_rows(self.train_dataset, plan)
+        return plan
 
     @property
     def sim(self):
@@ -252,6 +264,11 @@ class ActCompTrainer(Trainer):
         output.metrics.update(self.eval_extras.metrics(metric_key_prefix))
         return output
 
+    def eval_item_count(self, inputs: dict[str, Any]) -> int | None:
+        """What an evaluation batch's token-loss sum is divided by, as the parent trainer does it
+        (None: the batch's own mean). Trainer: its `num_items_in_batch` count of the batch."""
+        return trainer_item_count(self, inputs)
+
     def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None):
         """(loss, logits, labels) of one batch as Trainer's `prediction_step` returns them, on
@@ -324,88 +341,3 @@ class ActCompTrainer(Trainer):
 
     def _load_best_model(self) -> None:
         self._backend.load_best_model()
-
-
-# ----------------------------------------------------------------------------- checks and helpers
-_REFUSED = {
-    "deepspeed": "DeepSpeed shards parameters and optimizer state over all ranks, which here hold different stages",
-    "fsdp": "FSDP shards every parameter over all ranks, which here hold different stages",
-    "fp16": "fp16 needs a loss scaler shared by all stages; use bf16=True",
-    "torch_compile": "the stages are not compiled yet",
-}
-
-
-def _check_ids_are_rows(dataset: datasets.Dataset, plan: Plan) -> None:
-    """Data-parallel AQ-SGD shards the data set by rows and keeps each replica's memory for the
-    ids of its rows, so `sample_id` must be the row index (as `add_sample_ids` makes it)."""
-    if plan.memory.num_samples != len(dataset):
-        raise ValueError(f"AQ-SGD with data_parallel > 1 shards memory.num_samples={plan.memory.num_samples} "
-                         f"like the {len(dataset)} rows of train_dataset: they must be equal.")
-    ids = dataset[SAMPLE_ID]
-    wrong = next((row for row, sample in enumerate(ids) if sample != row), None)
-    if wrong is not None:
-        raise ValueError(f"AQ-SGD with data_parallel > 1 needs sample_id == row index (row {wrong} has sample_id "
-                         f"{ids[wrong]}): each replica keeps memory for its shard of rows. Drop the column and let "
-                         "ActCompTrainer add it, or call hf_actcomp.add_sample_ids(dataset).")
-
-
-def _check_arguments(args: TrainingArguments, plan: Plan, kwargs: dict[str, Any]) -> None:
-    """Refuse, before any work, what cannot run split into stages, and a wrong process count."""
-    for name, reason in _REFUSED.items():
-        if getattr(args, name, None):
-            raise ValueError(f"ActCompTrainer does not support TrainingArguments({name}=...): {reason}.")
-    if getattr(args, "train_sampling_strategy", "random") == "batch_rebalance":
-        raise ValueError("ActCompTrainer does not support train_sampling_strategy='batch_rebalance': it deals batches "
-                         "per rank, while the stages of a pipeline must read the same batches. Use 'random' or "
-                         "'group_by_length'.")
-    if args.label_smoothing_factor:
-        raise ValueError("ActCompTrainer does not support label_smoothing_factor: the last stage computes the "
-                         "model's own loss.")
-    check_trackers(args.report_to)
-    if args.push_to_hub and hub.hub_constants.HF_HUB_OFFLINE:
-        raise RuntimeError("TrainingArguments(push_to_hub=True) but HF_HUB_OFFLINE is set: unset it to upload, or "
-                           "train with push_to_hub=False and push the saved folder later (hf_actcomp.hub.push_to_hub).")
-    world = args.world_size
-    if launched_per_replica(plan):  # DiLoCo, one launch per replica (REPLICA_GROUP_ID)
-        if world != plan.num_stages:
-            raise ValueError(f"A DiLoCo replica launched on its own (REPLICA_GROUP_ID) needs Plan.num_stages="
-                             f"{plan.num_stages} processes, but this job has {world}.")
-    elif world != 1 and world != plan.world_size:
-        raise ValueError(
-            f"Plan.num_stages={plan.num_stages} x data_parallel={plan.data_parallel} needs {plan.world_size} "
-            f"processes (or 1, to run the stages in-process), but this job has {world}. Launch with "
-            f"--num_processes {plan.world_size} or change the plan."
-        )
-    if world > 1:
-        for key, reason in (("compute_loss_func", "the loss is computed on the last stage only"),
-                            ("optimizers", "each rank builds the optimizer of its own stage"),
-                            ("optimizer_cls_and_kwargs", "each rank builds the optimizer of its own stage")):
-            if kwargs.get(key) not in (None, (None, None)):
-                raise ValueError(f"ActCompTrainer with several processes does not take {key}=: {reason}. Choose "
-                                 "the optimizer with TrainingArguments(optim=..., optim_args=...).")
-
-
-def _with_sample_ids(dataset):
-    if isinstance(dataset, datasets.Dataset):
-        return dataset if SAMPLE_ID in dataset.column_names else add_sample_ids(dataset)
-    raise TypeError(
-        f"AQ-SGD keys its memory by sample: train_dataset must be a datasets.Dataset (got "
-        f"{type(dataset).__name__}), or yield a 'sample_id' per row and use a plan with memory.num_samples."
-    )
-
-
-def _with_num_samples(plan: Plan, num_samples: int) -> Plan:
-    """The plan with `memory.num_samples` filled (a copy); an explicit value must cover the ids."""
-    data = plan.to_dict()
-    if data["memory"].get("num_samples") is None:
-        data["memory"]["num_samples"] = num_samples
-    elif data["memory"]["num_samples"] < num_samples:
-        raise ValueError(f"Plan memory.num_samples={data['memory']['num_samples']} does not cover the training "
-                         f"set's sample ids (it needs {num_samples}); leave it unset to use the data set's size.")
-    return Plan.from_dict(data)
-
-
-def _longest_row(dataset) -> int:
-    if isinstance(dataset, datasets.Dataset):
-        return max(len(ids) for ids in dataset["input_ids"])
-    return max(len(dataset[i]["input_ids"]) for i in range(len(dataset)))

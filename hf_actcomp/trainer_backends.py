@@ -23,6 +23,8 @@ from . import hub
 from .inference import compressed_inference
 from .models import unwrap_peft
 from .pipeline import prepare
+from .pipeline.loading import load_stage_model
+from .pipeline.mesh import check_world_size
 from .plan import Plan, launched_per_replica
 from .resume import init_distributed
 from .simulate import simulate
@@ -189,15 +191,15 @@ class Pipelined(Backend):
         return sum(p.numel() for name, p in base.named_parameters() if name not in embeddings and id(p) in own)
 
     def _load_named(self, name, torch_dtype):
-        # This rank's stage only; the rest of the model stays on the meta device.
-        self.runner = prepare(name, self.plan, timeout=self.timeout, autocast_dtype=self.autocast_dtype,
-                            torch_dtype=torch_dtype)
-        return self.runner.model
+        # This rank's stage only; the rest of the model stays on the meta device. The pipeline is
+        # built in `start`, once the parent trainer has prepared the data (and the plan knows it).
+        init_distributed(self.timeout)
+        check_world_size(self.plan)  # before reading any weights
+        return load_stage_model(name, self.plan, torch_dtype=torch_dtype)
 
     def start(self) -> None:
-        if self.runner is None:
-            init_distributed(self.timeout)  # a DiLoCo replica of one process: Accelerate leaves it down
-            self.runner = prepare(self.trainer.model, self.plan, timeout=self.timeout, autocast_dtype=self.autocast_dtype)
+        init_distributed(self.timeout)  # a DiLoCo replica of one process: Accelerate leaves it down
+        self.runner = prepare(self.trainer.model, self.plan, timeout=self.timeout, autocast_dtype=self.autocast_dtype)
 
     def move_model_to_device(self, model, device) -> None:
         """The pipeline places only this rank's stage on its device (the other stages may not even

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+from functools import partial
 from typing import Any
 
 import torch
+from accelerate.utils import recursively_apply
 from transformers.trainer_pt_utils import nested_detach
 
 from .batching import BATCH_KEYS, count_label_tokens
@@ -49,8 +51,8 @@ class EvalExtras:
     predicted token with and without it (sums over one evaluation)."""
 
     def __init__(self) -> None:
-        self.batches = 0
-        self.plain = 0.0  # sum of the batches' losses without the codec (Trainer's definition)
+        self.rows = 0
+        self.plain = 0.0  # sum of the batches' losses without the codec (Trainer's), weighted by rows
         self.token_sums = [0.0, 0.0]  # token-loss sums with and without the codec
         self.tokens = 0
 
@@ -59,17 +61,18 @@ class EvalExtras:
             return
         tokens = count_label_tokens(labels)
         divisor = count if count is not None else tokens
-        self.batches += 1
-        self.plain += float(plain)
+        rows = labels.shape[0]  # Trainer weighs a batch's loss by its rows (the last one cut to its own)
+        self.rows += rows
+        self.plain += float(plain) * rows
         self.token_sums[0] += float(loss) * divisor
         self.token_sums[1] += float(plain) * divisor
         self.tokens += tokens
 
     def metrics(self, prefix: str) -> dict[str, float]:
-        if not self.batches:
+        if not self.rows:
             return {}
         token_loss, plain_token_loss = (s / max(self.tokens, 1) for s in self.token_sums)
-        return {f"{prefix}_plain_loss": self.plain / self.batches,
+        return {f"{prefix}_plain_loss": self.plain / self.rows,
                 f"{prefix}_token_loss": token_loss, f"{prefix}_plain_token_loss": plain_token_loss,
                 f"{prefix}_perplexity": math.exp(min(token_loss, 50.0)),
                 f"{prefix}_plain_perplexity": math.exp(min(plain_token_loss, 50.0))}
@@ -90,7 +93,7 @@ def in_process_prediction_step(trainer, base, model, inputs, prediction_loss_onl
     plain = None
     if loss is not None:
         inputs = trainer._prepare_inputs(inputs)
-        count = trainer_item_count(trainer, inputs)
+        count = trainer.eval_item_count(inputs)
         plain_inputs = {k: v for k, v in inputs.items() if k != "sample_id"}
         if count is not None and trainer.model_accepts_loss_kwargs:
             plain_inputs["num_items_in_batch"] = count
@@ -105,7 +108,7 @@ def pipelined_prediction_step(trainer, pipe, inputs, prediction_loss_only: bool,
     (preprocessed, on the last stage) logits on every rank of the pipeline."""
     inputs = trainer._prepare_inputs(inputs)
     labels = _labels(trainer, inputs)
-    count = trainer_item_count(trainer, inputs)
+    count = trainer.eval_item_count(inputs)
     batch = {k: inputs[k] for k in BATCH_KEYS if inputs.get(k) is not None}
     out = pipe.eval_step(batch, compress=True, num_items_in_batch=count, keep_logits=not prediction_loss_only)
     loss = out.loss
@@ -123,11 +126,12 @@ def pipelined_prediction_step(trainer, pipe, inputs, prediction_loss_only: bool,
 
 @contextlib.contextmanager
 def without_gathering(trainer):
-    """Within one evaluation loop: Trainer's gather and padding across processes become the
-    identity (every rank holds the whole evaluation already), and its own
+    """Within one evaluation loop: Trainer's gather and padding across processes act as in one
+    process (every rank holds the whole evaluation already: the last batch's repeated losses are
+    cut to its real rows, as `gather_for_metrics` does), and its own
     `preprocess_logits_for_metrics` is skipped (the last stage ran it); all restored after."""
     accelerator, preprocess = trainer.accelerator, trainer.preprocess_logits_for_metrics
-    trainer.gather_function = _identity
+    trainer.gather_function = partial(_as_one_process, accelerator.gradient_state)
     accelerator.pad_across_processes = _identity
     trainer.preprocess_logits_for_metrics = None
     try:
@@ -136,6 +140,14 @@ def without_gathering(trainer):
         del accelerator.pad_across_processes  # the instance attribute: the method shows again
         trainer.gather_function = accelerator.gather_for_metrics
         trainer.preprocess_logits_for_metrics = preprocess
+
+
+def _as_one_process(gradient_state, data):
+    """`Accelerator.gather_for_metrics` of a single process: the data, with the last batch cut to
+    the rows the data set really has (Trainer repeats a batch's loss `eval_batch_size` times)."""
+    if gradient_state.end_of_dataloader and gradient_state.remainder > 0:
+        return recursively_apply(lambda t: t[: gradient_state.remainder], data)
+    return data
 
 
 def _identity(tensor, *args, **kwargs):  # noqa: ARG001 (pad_across_processes' dim, pad_index, pad_first)

@@ -176,6 +176,11 @@ def test_bad_calls_fail_clearly():
     batch = padded_batch(model.config.vocab_size, batch=3)
     with pytest.raises(ValueError, match="batch of 3 rows cannot be split into plan.micro_batches=4"):
         sim(**batch)
+    sim.eval()  # evaluation (e.g. the last, short batch of a set): one micro-batch per row
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    with torch.no_grad():
+        torch.testing.assert_close(sim(**inputs).loss, model(**inputs).loss)
+    sim.train()
     with pytest.raises(TypeError, match=r"unsupported arguments \['pixel_values'\]"):
         sim(**padded_batch(model.config.vocab_size), pixel_values=1)
     aq = simulate(model, Plan(forward=Compression("aqsgd", bits=4), memory=MemoryConfig(num_samples=4)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .base import ModelAdapter, StageModule
 from .check import check_adapter
+from .compile import compile_blocks
 from .decoder import VERIFIED_TYPES, DecoderAdapter, has_standard_layout
 from .gpt2 import GPT2Adapter
 from .opt import OPTAdapter
@@ -29,6 +30,7 @@ __all__ = [
     "StageModule",
     "VERIFIED_TYPES",
     "check_adapter",
+    "compile_blocks",
     "get_adapter",
     "has_standard_layout",
     "register_adapter",

@@ -25,7 +25,7 @@ from torch import nn
 from .. import checkpoint
 from ..auto import describe as describe_decision
 from ..auto import plan_boundaries, tie_compression
-from ..batching import MicroBatch, check_batch, count_label_tokens, split_batch
+from ..batching import MicroBatch, check_batch, count_label_tokens, micro_batch_count, split_batch
 from ..boundary import Boundary, NonFiniteError
 from ..checkpoint import CompressionState, model_fingerprint
 from ..codecs import make_codec
@@ -41,6 +41,7 @@ from ..generation import (
 )
 from ..memory import replica_sample_range
 from ..models import get_adapter, unwrap_peft
+from ..models.compile import compile_blocks, compile_options
 from ..models.router import RouterLoss, router_spec
 from ..models.split import stage_ranges
 from ..plan import Plan
@@ -85,10 +86,11 @@ class Pipeline(nn.Module):
 
     def __init__(self, model: nn.Module, plan: Plan, *, device: torch.device | str | None = None,
                  timeout: float = DEFAULT_TIMEOUT, autocast_dtype: torch.dtype | None = None,
-                 track_error: bool = True) -> None:
+                 track_error: bool = True, compile: bool = False, compile_kwargs: dict | None = None) -> None:
         super().__init__()
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a hf_actcomp.Plan, got {type(plan).__name__}.")
+        compiling = compile_options(compile, compile_kwargs)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "hf_actcomp.prepare() needs torch.distributed to be initialised: run under `accelerate launch` "
@@ -130,6 +132,8 @@ class Pipeline(nn.Module):
         stage = adapter.build_stage(ranges[s].start, ranges[s].stop, first=s == 0, last=s == last)
         free_other_parameters(model, stage)
         self.stage = stage.to(self.device)
+        if compiling is not None:  # its blocks, in place; the links, codecs and glue stay eager
+            compile_blocks(self.stage, **compiling)
         # What crosses a boundary: the autocast dtype when set (the stages compute in it, so
         # sending fp32 would double the bytes for nothing), else the parameters' dtype.
         self.boundary_dtype = autocast_dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
@@ -453,7 +457,7 @@ class Pipeline(nn.Module):
         self.stage.eval()
         logits = []
         try:
-            micro = split_batch(batch, self.plan.micro_batches, self.device)
+            micro = split_batch(batch, micro_batch_count(batch, self.plan, training=False), self.device)
             num_tokens = count_label_tokens(batch["labels"]) if has_labels else 0
             normaliser = None
             if has_labels and self.is_last:  # every replica evaluates the whole batch: no share of a count
@@ -929,7 +933,8 @@ class Pipeline(nn.Module):
 def prepare(model: nn.Module | str | os.PathLike, plan: Plan | str, *, device: torch.device | str | None = None,
             timeout: float = DEFAULT_TIMEOUT, autocast_dtype: torch.dtype | None = None,
             track_error: bool = True, torch_dtype: torch.dtype | None = None,
-            activation_checkpointing: bool = False) -> Pipeline:
+            activation_checkpointing: bool = False, compile: bool = False,
+            compile_kwargs: dict | None = None) -> Pipeline:
     """Split `model` into the plan's stages across the processes of this job; keep this rank's.
 
     Call in every process with the same model (same initialisation) and plan. The plan must have
@@ -943,6 +948,9 @@ def prepare(model: nn.Module | str | os.PathLike, plan: Plan | str, *, device: t
         torch_dtype: the dtype a checkpoint's floating-point weights are loaded in.
         activation_checkpointing: recompute each block's activations in the backward instead of
             keeping them (transformers' own per-layer checkpointing, inside the stage); same numbers.
+        compile: compile each of this stage's decoder blocks in place with `torch.compile`, at its
+            first call; the boundary codecs, send/recv, embeddings, head and loss stay eager
+            (hf_actcomp/models/compile.py). `compile_kwargs`: torch.compile's backend, mode, ...
 
     `plan="auto"` is `Plan.auto(num_stages=world size)`: the codecs chosen from measured links.
     """
@@ -967,7 +975,7 @@ def prepare(model: nn.Module | str | os.PathLike, plan: Plan | str, *, device: t
     if activation_checkpointing:
         unwrap_peft(model).activation_checkpointing_enable()
     return Pipeline(model, plan, device=device, timeout=timeout, autocast_dtype=autocast_dtype,
-                    track_error=track_error)
+                    track_error=track_error, compile=compile, compile_kwargs=compile_kwargs)
 
 
 def _default_device() -> torch.device:
