@@ -54,7 +54,7 @@ class ScriptArguments:
 
 
 def offline_rows(kind: str, count: int) -> datasets.Dataset:
-    lines = [t.strip() for t in offline_corpus()[: 20 * count] if len(t.strip()) > 40][:count]
+    lines = [line.strip() for doc in offline_corpus() for line in doc.split("\n") if 40 < len(line.strip()) < 120][:count]
     if kind == "text":
         return datasets.Dataset.from_dict({"text": lines})
     cut = [len(t) // 3 for t in lines]

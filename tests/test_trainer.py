@@ -292,6 +292,10 @@ def two_processes(tmp_path_factory):
         "bf16_lora": {"plan": {"num_stages": 2}, "lora": True, "dtype": "bfloat16", "args": {"bf16": True}},
         # Plan.auto under Trainer: measured at the first step, saved with the model
         "auto": {"plan": Plan.auto(num_stages=2, micro_batches=2).to_dict(), "save": str(root / "auto")},
+        # Trainer's evaluation contract: compute_metrics on what include_for_metrics adds, predict()
+        "predict": {"plan": {"num_stages": 2}, "predict": True,
+                    "args": {"include_for_metrics": ["inputs", "loss"], "eval_accumulation_steps": 1,
+                             "metric_for_best_model": "mean_prediction"}},
     }
     run_workers("trainer_worker.py", 2, [json.dumps({"runs": runs}), str(root)], timeout=600)
     return root
@@ -513,3 +517,34 @@ def test_prepare_accepts_peft_model_in_simulation():
     batch = pad_collator([ragged_dataset()[i] for i in range(4)])
     sim(**batch).loss.backward()
     assert all((p.grad is not None) == p.requires_grad for p in model.parameters())
+
+
+def test_distributed_predict_and_metrics_equal_plain_trainer(tmp_path, two_processes):
+    """2 processes, codec none: predict() and evaluate() with compute_metrics reading the argmax
+    (run on the last stage), the inputs and the losses (include_for_metrics), moved to the CPU
+    after every batch (eval_accumulation_steps=1): every rank returns plain Trainer's predictions,
+    labels and metrics. The predictions crossed once per batch, from the last stage, counted under
+    `predictions`: per batch an 8-byte length, a 12 x int64 header and the int64 token ids."""
+    from trainer_cases import argmax_logits, token_metrics
+
+    reference = Trainer(model=debug_model("gpt2", seed=0), compute_metrics=token_metrics,
+                        preprocess_logits_for_metrics=argmax_logits, train_dataset=ragged_dataset(),
+                        data_collator=pad_collator, args=training_args(
+                            str(tmp_path / "reference"), include_for_metrics=["inputs", "loss"],
+                            eval_accumulation_steps=1))
+    reference.train()
+    expected = reference.predict(ragged_dataset(8, seed=1))
+    evaluated = reference.evaluate(ragged_dataset(8, seed=1))
+    out, results = _results(two_processes, "predict", 2)
+    batches = [pad_collator([ragged_dataset(8, seed=1)[i] for i in range(b, b + 4)]) for b in (0, 4)]
+    for rank, result in enumerate(results):
+        got = load_file(os.path.join(out, f"predict-rank{rank}.safetensors"))
+        assert torch.equal(got["predictions"], torch.from_numpy(expected.predictions)), rank
+        assert torch.equal(got["label_ids"], torch.from_numpy(expected.label_ids)), rank
+        for key, value in expected.metrics.items():
+            if not key.endswith(("_runtime", "_per_second", "_preparation_time")):
+                assert result["predict"]["metrics"][key] == pytest.approx(value, rel=1e-5), key
+        for key in ("eval_loss", "eval_accuracy", "eval_mean_prediction", "eval_inputs_sum", "eval_losses_mean"):
+            assert result["predict"]["evaluate"][key] == pytest.approx(evaluated[key], rel=1e-5), key
+        # read after predict(): once over the two batches
+        assert result["predict"]["bytes"] == sum(8 + 12 * 8 + b["input_ids"].numel() * 8 for b in batches)

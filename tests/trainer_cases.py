@@ -59,3 +59,19 @@ def sample_tokenizer():
 
     texts = ["def add(a, b): return a + b", "The pipeline splits the model into stages.", "import torch"] * 10
     return build_tokenizer(texts, vocab_size=300)
+
+
+def argmax_logits(logits, labels):
+    """preprocess_logits_for_metrics: the predicted token ids (what crosses instead of logits)."""
+    return logits.argmax(dim=-1)
+
+
+def token_metrics(prediction) -> dict[str, float]:
+    """compute_metrics reading everything an EvalPrediction carries with include_for_metrics:
+    next-token accuracy, the mean predicted id, the inputs' sum and the mean per-batch loss."""
+    preds, labels = prediction.predictions, prediction.label_ids
+    keep = labels[:, 1:] != -100
+    return {"accuracy": float((preds[:, :-1][keep] == labels[:, 1:][keep]).mean()),
+            "mean_prediction": float(preds[preds != -100].mean()),
+            "inputs_sum": int(prediction.inputs[prediction.inputs != -100].sum()),
+            "losses_mean": float(prediction.losses.mean())}

@@ -3,7 +3,8 @@
 SPEC: {"family", "dtype", "plan" (Plan dict), "args" (TrainingArguments overrides), "lora" (bool),
 "resume" (checkpoint dir or null), "save" (dir or null), "evaluate" (bool), "samples" (prompts for a
 LogSamplesCallback, with a small tokenizer and the model's vocabulary sized to it), "model_path" (a saved
-checkpoint given to ActCompTrainer by path instead of the in-memory debug model)}. Each rank writes its logged losses
+checkpoint given to ActCompTrainer by path instead of the in-memory debug model), "predict" (compute_metrics
+and preprocess_logits_for_metrics from trainer_cases; after training, predict() and evaluate())}. Each rank writes its logged losses
 (`losses-rank{r}.json`) and its stage's parameters (`weights-rank{r}.safetensors`).
 """
 
@@ -18,7 +19,15 @@ import hf_actcomp
 from hf_actcomp.debug import debug_model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainer_cases import lora_model, pad_collator, ragged_dataset, sample_tokenizer, training_args  # noqa: E402
+from trainer_cases import (  # noqa: E402
+    argmax_logits,
+    lora_model,
+    pad_collator,
+    ragged_dataset,
+    sample_tokenizer,
+    token_metrics,
+    training_args,
+)
 
 
 def main(spec: dict, out_dir: str) -> None:
@@ -30,15 +39,25 @@ def main(spec: dict, out_dir: str) -> None:
         model = lora_model(model)
     plan = hf_actcomp.Plan.from_dict(spec["plan"])
     args = training_args(os.path.join(out_dir, "run"), **spec.get("args", {}))
+    metrics_kwargs = {"compute_metrics": token_metrics, "preprocess_logits_for_metrics": argmax_logits} \
+        if spec.get("predict") else {}
     trainer = hf_actcomp.ActCompTrainer(model=model, args=args, plan=plan, train_dataset=ragged_dataset(),
                                         eval_dataset=ragged_dataset(8, seed=1), data_collator=pad_collator,
-                                        processing_class=tokenizer)
+                                        processing_class=tokenizer, **metrics_kwargs)
     if spec.get("samples"):
         sampler = hf_actcomp.LogSamplesCallback(trainer, spec["samples"], max_new_tokens=6)
         trainer.add_callback(sampler)
     trainer.train(resume_from_checkpoint=spec.get("resume"))
     rank = trainer.args.process_index
     metrics = trainer.evaluate() if spec.get("evaluate") else {}
+    predicted = None
+    if spec.get("predict"):  # predict() with the metrics, then the bytes the predictions took
+        output = trainer.predict(ragged_dataset(8, seed=1))
+        save_file({"predictions": torch.from_numpy(output.predictions), "label_ids": torch.from_numpy(output.label_ids)},
+                  os.path.join(out_dir, f"predict-rank{trainer.args.process_index}.safetensors"))
+        predicted = {"metrics": output.metrics,
+                     "bytes": trainer.pipe.stats(gather=True)["categories"]["predictions"]["bytes_sent"],
+                     "evaluate": trainer.evaluate()}
     if spec.get("save"):
         trainer.save_model(spec["save"])
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -47,7 +66,7 @@ def main(spec: dict, out_dir: str) -> None:
                    "total_flos": trainer.state.total_flos,
                    "meta_parameters": sum(p.device.type == "meta" for p in trainer.model.parameters()),
                    "memory": _memory_report(trainer.pipe),
-                   "samples": sampler.samples if spec.get("samples") else None}, f)
+                   "samples": sampler.samples if spec.get("samples") else None, "predict": predicted}, f)
     weights = {n: p.detach().contiguous() for n, p in trainer.pipe.stage.named_parameters()}
     save_file(weights, os.path.join(out_dir, f"weights-rank{rank}.safetensors"))
 
