@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test lint train bench-codecs bench-outliers bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-time-to-quality bench-dp-hooks bench-diloco clean
+.PHONY: setup test lint train bench-codecs bench-outliers bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-time-to-quality bench-dp-hooks bench-diloco bench-compile clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -50,6 +50,9 @@ bench-dp-hooks: setup
 
 bench-diloco: setup
 	$(PY) benchmarks/diloco.py
+
+bench-compile: setup
+	$(PY) benchmarks/compile.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache

@@ -48,6 +48,9 @@ class CompressedInference:
     def _make_hook(boundary: Boundary):
         stats = boundary.stats
 
+        # Eager when the block is compiled (simulate/prepare(compile=True) compile the model's own
+        # blocks, in place): a block's forward hooks run inside its compiled call otherwise.
+        @torch.compiler.disable
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output
             with stats.timing("encode"):

@@ -55,6 +55,15 @@ class Backend:
         self.timeout = timeout
         self.autocast_dtype = autocast_dtype
 
+    def compiling(self) -> dict[str, Any]:
+        """`TrainingArguments(torch_compile=True, torch_compile_backend=..., torch_compile_mode=...)`
+        as `simulate` / `prepare` take it: each stage's decoder blocks compiled in place."""
+        args = self.trainer.args
+        if not args.torch_compile:
+            return {}
+        options = {k: v for k, v in (("backend", args.torch_compile_backend), ("mode", args.torch_compile_mode)) if v}
+        return {"compile": True, "compile_kwargs": options or None}
+
     def load(self, model, torch_dtype: torch.dtype | None):
         """The model Trainer gets: `model` itself, or the checkpoint it names."""
         if isinstance(model, (str, os.PathLike)):
@@ -89,7 +98,7 @@ class OneProcess(Backend):
         return self.runner
 
     def start(self) -> None:
-        self.runner = simulate(self.trainer.model, self.plan)
+        self.runner = simulate(self.trainer.model, self.plan, **self.compiling())
 
     def move_model_to_device(self, model, device) -> None:
         self.base._move_model_to_device(model, device)
@@ -199,7 +208,8 @@ class Pipelined(Backend):
 
     def start(self) -> None:
         init_distributed(self.timeout)  # a DiLoCo replica of one process: Accelerate leaves it down
-        self.runner = prepare(self.trainer.model, self.plan, timeout=self.timeout, autocast_dtype=self.autocast_dtype)
+        self.runner = prepare(self.trainer.model, self.plan, timeout=self.timeout, autocast_dtype=self.autocast_dtype,
+                              **self.compiling())
 
     def move_model_to_device(self, model, device) -> None:
         """The pipeline places only this rank's stage on its device (the other stages may not even

@@ -19,7 +19,6 @@ _REFUSED = {
     "deepspeed": "DeepSpeed shards parameters and optimizer state over all ranks, which here hold different stages",
     "fsdp": "FSDP shards every parameter over all ranks, which here hold different stages",
     "fp16": "fp16 needs a loss scaler shared by all stages; use bf16=True",
-    "torch_compile": "the stages are not compiled yet",
 }
 
 

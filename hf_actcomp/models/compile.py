@@ -12,7 +12,9 @@ Each block is compiled on its own, in place, with `nn.Module.compile`, and nothi
   per micro-batch), the head and the loss, the boundary codecs (error feedback, AQ-SGD memory,
   random rounding, their payload's bytes) and the pipeline's send/recv. A graph never holds a
   collective or a codec's state, and the step's numbers differ from eager only by the blocks'
-  floating-point reassociation;
+  floating-point reassociation. A block's forward hooks (its submodules' too) run inside its
+  compiled call: the package's own, the MoE router's recorder (models/router.py) and
+  `compressed_inference`'s boundary hooks, are `torch.compiler.disable`d, so they stay eager;
 - in place: the block stays the model's own module (no `_orig_mod.` wrapper, as `torch.compile(module)`
   would add), so parameter names, state dicts, `save_pretrained`, PEFT's LoRA layers inside a block
   and transformers' activation checkpointing (which wraps the layer's forward, traced into the

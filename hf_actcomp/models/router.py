@@ -67,6 +67,9 @@ class RouterLoss:
         """Floats of the forward side channel: T (E), P (E) and R (1)."""
         return 2 * self.num_experts + 1
 
+    # Eager inside a compiled block: traced, the append would guard on the list's length and
+    # compile every block of the model apart (compile=True, hf_actcomp/models/compile.py).
+    @torch.compiler.disable
     def _record(self, module: nn.Module, args, output) -> None:
         if self._logits is not None:  # not while activation checkpointing recomputes the block
             self._logits.append(output[self._index])
