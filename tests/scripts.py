@@ -11,21 +11,30 @@ import sys
 
 import pytest
 import torch
+from distributed import free_port
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 NO_DROPOUT = "resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0"  # the split model draws its masks in another order
 
 
-def run(script: str, out, args: list[str], processes: int = 1, timeout: float = 240) -> str:
-    """`python recipes/SCRIPT` (processes=1) or `torchrun --nproc-per-node N recipes/SCRIPT`,
-    without ACCELERATE_USE_CPU; returns its output. Our own process group is killed on a hang."""
+def run(script: str, out, args: list[str], processes: int = 1, timeout: float = 240,
+        launcher: str = "torchrun") -> str:
+    """`python recipes/SCRIPT` (processes=1), or N processes under `torchrun --nproc-per-node N`
+    or `accelerate launch --multi_gpu --num_processes N` (no config file, no --cpu), without
+    ACCELERATE_USE_CPU; returns its output. Our own process group is killed on a hang."""
     env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "TORCHELASTIC_RESTART_COUNT")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     path = os.path.join(ROOT, "recipes", script)
-    cmd = [sys.executable, path] if processes == 1 else [
-        TORCHRUN, "--standalone", "--nproc-per-node", str(processes), path]
+    if processes == 1:
+        cmd = [sys.executable, path]
+    elif launcher == "torchrun":
+        cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(processes), path]
+    else:
+        cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), path]
     proc = subprocess.Popen([*cmd, "--output_dir", str(out), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, cwd=ROOT, start_new_session=True)
     try:

@@ -27,7 +27,8 @@ def clm_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("run_clm")
     logs = {"plain": run("run_clm.py", root / "plain", [*CLM, "--plain"]),
             "one": run("run_clm.py", root / "one", CLM),
-            "two": run("run_clm.py", root / "two", CLM, processes=2)}
+            "two": run("run_clm.py", root / "two", CLM, processes=2),
+            "accelerate": run("run_clm.py", root / "accelerate", CLM, processes=2, launcher="accelerate")}
     return root, logs
 
 
@@ -35,7 +36,7 @@ def test_run_clm_reports_trainers_metrics_on_every_process_count(clm_runs):
     """compute_metrics with preprocess_logits_for_metrics (the argmax, on the last stage) gives
     plain Trainer's eval_accuracy at every evaluation, and eval_loss is Trainer's number."""
     root, _ = clm_runs
-    for name in ("one", "two"):
+    for name in ("one", "two", "accelerate"):
         assert_same_run(root / "plain", root / name, losses=("loss", "eval_loss", "eval_accuracy"),
                         metrics=("eval_loss", "eval_accuracy", "perplexity"))
         evaluated = json.loads((root / name / "eval_results.json").read_text())
@@ -46,13 +47,15 @@ def test_run_clm_reports_trainers_metrics_on_every_process_count(clm_runs):
         assert os.path.basename(state["best_model_checkpoint"]) == os.path.basename(reference["best_model_checkpoint"])
 
 
-def test_plain_torchrun_on_cpu_needs_no_environment(clm_runs):
-    """torchrun without ACCELERATE_USE_CPU: Trainer counts both processes (one main process, one
-    checkpoint each time, marked complete), and says once what it set."""
+@pytest.mark.parametrize("launcher", ["two", "accelerate"])
+def test_launchers_on_cpu_need_no_environment(clm_runs, launcher):
+    """torchrun, and accelerate launch without a config or --cpu, with no ACCELERATE_USE_CPU:
+    Trainer counts both processes (one main process, one checkpoint each time, marked complete),
+    and says once what it set."""
     root, logs = clm_runs
-    assert logs["two"].count("TrainingArguments(use_cpu=True) was set") == 1
+    assert logs[launcher].count("TrainingArguments(use_cpu=True) was set") == 1
     for step in (3, 6):
-        checkpoint = root / "two" / f"checkpoint-{step}"
+        checkpoint = root / launcher / f"checkpoint-{step}"
         assert (checkpoint / "actcomp_complete.json").is_file()
         assert {"optimizer-rank0.pt", "optimizer-rank1.pt"} <= set(os.listdir(checkpoint))
     assert "use_cpu=True" not in logs["one"]
