@@ -6,11 +6,13 @@ the new tokens' hidden states on, the last stage computes the logits of the last
 picks the next tokens with transformers' own logits processors and stopping criteria. Every
 stage rebuilds positions and masks from the 2-D attention mask alone, as `generate` does
 (positions `cumsum - 1`, pads 0), so only one token's hidden state per row crosses a boundary
-after the prompt (tests/test_generation.py checks it against `model.generate`). Two details
-matter:
+after the prompt (tests/test_generation.py checks it against `model.generate`). What each family
+computes is its adapter's cached forward (`ModelAdapter.embed_cached`, `block_context_cached`,
+`run_block_cached`, `head_cached`); this module keeps the loop. Two details matter:
 
 - the causal / sliding-window mask must be sized by a cache layer of THIS stage
-  (`layer_idx`): the default, the model's first such layer, is empty in later stages;
+  (`layer_idx`, `ModelAdapter._cache_mask_layer`): the default, the model's first such layer,
+  is empty in later stages;
 - the logits processors must see the 2-D mask (the repetition penalty skips left pads by it).
 
 Only greedy decoding and multinomial sampling run this way, one sequence per prompt:
@@ -26,13 +28,6 @@ from typing import Any
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-from .models.decoder import FULL, SLIDING, DecoderAdapter
-from .models.gpt2 import GPT2Adapter
-from .models.opt import OPTAdapter
-
-MASK_FUNCTIONS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -42,7 +37,9 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class CachedStage:
-    """Blocks [start, stop) of `model` with their own KV cache, run on new tokens only.
+    """Blocks [start, stop) of `model` with their own KV cache, run on new tokens only: the
+    adapter's cached forward (`embed_cached`, `block_context_cached`, `run_block_cached`,
+    `head_cached`; see `ModelAdapter`) in the order `StageModule.forward` runs the uncached one.
 
     Args:
         model: the causal LM (its other stages' parameters may be freed).
@@ -54,87 +51,27 @@ class CachedStage:
     def __init__(self, model, adapter, start: int, stop: int, *, first: bool, last: bool) -> None:
         self.model, self.adapter = model, adapter
         self.start, self.stop, self.first, self.last = start, stop, first, last
-        forwards = {GPT2Adapter: self._gpt2, OPTAdapter: self._opt, DecoderAdapter: self._decoder}
-        self._forward = next((f for cls, f in forwards.items() if isinstance(adapter, cls)), None)
-        if self._forward is None:
+        if not adapter.has_cached_forward():
             raise TypeError(
-                f"Pipeline.generate runs the stages with a KV cache for the built-in adapters (GPT-2, OPT and the "
-                f"standard decoder: {', '.join(sorted(DecoderAdapter.model_types))} and families registered with "
-                f"register_standard_decoder); {type(adapter).__name__} is none of them."
+                f"Pipeline.generate runs each stage with a KV cache through its adapter's cached forward "
+                f"({', '.join(adapter.CACHED_METHODS)}), which {type(adapter).__name__} does not implement "
+                "(see docs/adding_a_model.md)."
             )
         # Every layer is listed; only this stage's layers ever hold tensors (attention updates the
         # cache at its global layer index), sliding layers where the config says so.
         self.cache = DynamicCache(config=model.config)
-
-    def _mask_layer(self, kind: str) -> int:
-        """The first layer of this stage whose cache layer is of `kind` (sizes the mask)."""
-        sliding = kind == SLIDING
-        return next((i for i in range(self.start, self.stop) if bool(self.cache.is_sliding[i]) == sliding),
-                    self.start)
 
     def __call__(self, x: torch.Tensor, attention_mask: torch.Tensor | None,
                  position_ids: torch.Tensor) -> torch.Tensor:
         """`x`: the new token ids (first stage) or their hidden states; `attention_mask`: the 2-D
         mask of every token so far (None: no padding at all, as `generate` passes it); returns
         the new hidden states, or on the last stage the logits of the last position."""
-        return self._forward(x, attention_mask, position_ids)
-
-    def _decoder(self, x, attention_mask, position_ids):
-        a = self.adapter
-        h = a._module(a.embed_path)(x) if self.first else x
-        kinds = {a.layer_mask_kind(i) for i in range(self.start, self.stop)}
-        masks = {kind: MASK_FUNCTIONS[kind](config=self.model.config, inputs_embeds=h, attention_mask=attention_mask,
-                                            cache=self.cache, position_ids=position_ids,
-                                            layer_idx=self._mask_layer(kind))
-                 for kind in kinds}
-        rotary = a._module(a.rotary_path)
-        if a._rotary_per_layer_type():
-            tables = {kind: rotary(h, position_ids, kind) for kind in kinds}
-        else:
-            table = rotary(h, position_ids=position_ids)
-            tables = dict.fromkeys(kinds, table)
-        for i in range(self.start, self.stop):
-            kind = a.layer_mask_kind(i)
-            h = a.blocks()[i](h, attention_mask=masks[kind], position_embeddings=tables[kind],
-                              position_ids=position_ids, cache=self.cache, use_cache=True)
-        return a.head(h[:, -1:, :]) if self.last else h
-
-    def _gpt2(self, x, attention_mask, position_ids):
-        t = self.model.transformer
-        if self.first:
-            e = t.wte(x)
-            h = t.drop(e + t.wpe(position_ids).to(e.device))
-        else:
-            h = x
-        mask = create_causal_mask(config=self.model.config, inputs_embeds=h, attention_mask=attention_mask,
-                                  cache=self.cache, position_ids=position_ids, layer_idx=self._mask_layer(FULL))
-        for i in range(self.start, self.stop):
-            h = t.h[i](h, self.cache, mask, None, encoder_attention_mask=None, use_cache=True,
-                       position_ids=position_ids)
-        return self.model.lm_head(t.ln_f(h[:, -1:, :])) if self.last else h
-
-    def _opt(self, x, attention_mask, position_ids):
-        d = self.model.model.decoder
-        if self.first:
-            e = d.embed_tokens(x)
-            shape_only = attention_mask if attention_mask is not None else torch.ones(x.shape[0], 1)
-            positions = d.embed_positions(shape_only, 0, position_ids=position_ids)  # adds OPT's +2
-            if d.project_in is not None:
-                e = d.project_in(e)
-            h = e + positions.to(e.device)
-        else:
-            h = x
-        mask = create_causal_mask(config=self.model.config, inputs_embeds=h, attention_mask=attention_mask,
-                                  cache=self.cache, layer_idx=self._mask_layer(FULL))  # OPT: no position_ids
-        for i in range(self.start, self.stop):
-            h = d.layers[i](h, attention_mask=mask, position_ids=position_ids, cache=self.cache, use_cache=True)
-        if not self.last:
-            return h
-        if d.final_layer_norm is not None:
-            h = d.final_layer_norm(h)
-        if d.project_out is not None:
-            h = d.project_out(h)
-        return self.model.lm_head(h[:, -1:, :])
+        a, layers = self.adapter, range(self.start, self.stop)
+        h = a.embed_cached(x, attention_mask, position_ids) if self.first else x
+        context = a.block_context_cached(h, attention_mask, position_ids, self.cache, layers)
+        for i in layers:
+            h = a.run_block_cached(i, h, context)
+        return a.head_cached(h) if self.last else h
 
 
 # What the split loop implements: one token per row and step, the argmax (greedy) or one

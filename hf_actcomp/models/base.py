@@ -4,6 +4,10 @@ An adapter mirrors its family's `forward` piece by piece (embeddings, the contex
 needs, one block, the head) so that running the pieces in order reproduces the full model's
 logits and gradients exactly. The block context is rebuilt by each stage from the 2-D
 attention mask alone, so only hidden states ever cross a stage boundary.
+
+It also mirrors the same forward with a KV cache, on the new tokens only (`embed_cached`,
+`block_context_cached`, `run_block_cached`, `head_cached`), which split generation
+(`hf_actcomp.generation.CachedStage`, `Pipeline.generate`) runs in the same order.
 """
 
 from __future__ import annotations
@@ -13,14 +17,16 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
-from transformers import PreTrainedModel
+from transformers import Cache, PreTrainedModel
 
 
 class ModelAdapter(abc.ABC):
     """Base class of the per-family adapters; subclasses name their submodules and mirror forward.
 
     Subclasses set `model_types`, `blocks_path`, and implement `_embedding_paths`,
-    `_head_paths`, `embed`, `block_context`, `run_block` and `head`.
+    `_head_paths`, `embed`, `block_context`, `run_block` and `head`; for split generation
+    (`Pipeline.generate`) also `embed_cached`, `block_context_cached` and `run_block_cached`
+    (and `head_cached` where the family's forward slices the last position elsewhere).
     """
 
     model_types: ClassVar[tuple[str, ...]] = ()
@@ -112,7 +118,45 @@ class ModelAdapter(abc.ABC):
         """Blocks [start, stop), with the embeddings if `first` and the head if `last`."""
         return StageModule(self, start, stop, first=first, last=last)
 
+    # -- computation with a KV cache (split generation) ---------------------------------------
+    # Positions and masks come from the 2-D mask as `generate` builds them (positions
+    # `cumsum - 1`, pads 0; `attention_mask` None when there is no padding at all). The
+    # defaults refuse: a family that does not override them cannot generate split.
+
+    CACHED_METHODS: ClassVar[tuple[str, ...]] = ("embed_cached", "block_context_cached", "run_block_cached")
+
+    @classmethod
+    def has_cached_forward(cls) -> bool:
+        """Whether the family implements the cached forward (every method of `CACHED_METHODS`)."""
+        return all(getattr(cls, name) is not getattr(ModelAdapter, name) for name in cls.CACHED_METHODS)
+
+    def embed_cached(self, input_ids: torch.LongTensor, attention_mask: Tensor | None,
+                     position_ids: Tensor) -> Tensor:
+        """Hidden states of the new tokens `input_ids` at `position_ids`; `attention_mask`: the
+        2-D mask of every token so far (None: no padding)."""
+        raise NotImplementedError(f"{type(self).__name__} has no cached forward (embed_cached).")
+
+    def block_context_cached(self, hidden: Tensor, attention_mask: Tensor | None, position_ids: Tensor,
+                             cache: Cache, layers: range) -> dict[str, Any]:
+        """What blocks `layers` (this stage's) need to run the new tokens `hidden` against `cache`
+        (a `transformers.DynamicCache` of every layer of the model), the cache included."""
+        raise NotImplementedError(f"{type(self).__name__} has no cached forward (block_context_cached).")
+
+    def run_block_cached(self, index: int, hidden: Tensor, context: dict[str, Any]) -> Tensor:
+        """Apply block `index` (global index) to the new tokens, updating the cache in `context`."""
+        raise NotImplementedError(f"{type(self).__name__} has no cached forward (run_block_cached).")
+
+    def head_cached(self, hidden: Tensor) -> Tensor:
+        """The logits of the last position of the last block's output."""
+        return self.head(hidden[:, -1:, :])
+
     # -- helpers for subclasses --------------------------------------------------------------
+
+    @staticmethod
+    def _cache_mask_layer(cache: Cache, layers: range, sliding: bool = False) -> int:
+        """The first of `layers` whose cache layer is sliding (or not): it must size that kind of
+        4-D mask (`layer_idx`); the default, the model's first such layer, is empty in later stages."""
+        return next((i for i in layers if bool(cache.is_sliding[i]) == sliding), layers.start)
 
     @staticmethod
     def _check_mask(hidden: Tensor, attention_mask: Tensor | None) -> None:

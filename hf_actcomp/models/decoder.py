@@ -25,12 +25,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers import Cache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from .base import ModelAdapter
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+MASK_FUNCTIONS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
 STANDARD_PLAN_KEYS = {"embed_tokens", "layers", "norm"}  # base_model_pp_plan of the standard layout
 
 VERIFIED_TYPES = (
@@ -47,8 +49,9 @@ VERIFIED_TYPES = (
 
 
 class DecoderAdapter(ModelAdapter):
-    """Mirrors `LlamaModel.forward` / `LlamaForCausalLM.forward` (transformers 5.x), no cache,
-    and the per-family variations listed in the module docstring."""
+    """Mirrors `LlamaModel.forward` / `LlamaForCausalLM.forward` (transformers 5.x), without a
+    cache and with one (the `*_cached` methods, for split generation), and the per-family
+    variations listed in the module docstring."""
 
     model_types = VERIFIED_TYPES
     blocks_path = "model.layers"
@@ -139,27 +142,33 @@ class DecoderAdapter(ModelAdapter):
             masks[FULL] = create_causal_mask(**mask_kwargs)
         if SLIDING in kinds:
             masks[SLIDING] = create_sliding_window_causal_mask(**mask_kwargs)
-        # The rotary tables depend only on positions and hidden's dtype/device.
-        rotary = self._module(self.rotary_path)
-        if self._rotary_per_layer_type():
-            position_embeddings = {kind: rotary(hidden, position_ids, kind) for kind in kinds}
-        else:
-            table = rotary(hidden, position_ids=position_ids)
-            position_embeddings = {kind: table for kind in kinds}
         return {
             "masks": masks,
             "position_ids": position_ids,
-            "position_embeddings": position_embeddings,
+            "position_embeddings": self._rotary_tables(hidden, position_ids, kinds),
         }
 
+    def _rotary_tables(self, hidden: Tensor, position_ids: Tensor, kinds: set[str]) -> dict[str, Any]:
+        """The rotary `position_embeddings` of each mask kind (they depend only on positions and
+        hidden's dtype/device): one table per kind, or one shared by all."""
+        rotary = self._module(self.rotary_path)
+        if self._rotary_per_layer_type():
+            return {kind: rotary(hidden, position_ids, kind) for kind in kinds}
+        table = rotary(hidden, position_ids=position_ids)
+        return dict.fromkeys(kinds, table)
+
     def run_block(self, index: int, hidden: Tensor, context: dict[str, Any]) -> Tensor:
+        return self._call_block(index, hidden, context, use_cache=False)
+
+    def _call_block(self, index: int, hidden: Tensor, context: dict[str, Any], **cache: Any) -> Tensor:
+        """Block `index` with the context of its mask kind; `cache`: the cache keywords."""
         kind = self.layer_mask_kind(index)
         return self.blocks()[index](
             hidden,
             attention_mask=context["masks"][kind],
             position_embeddings=context["position_embeddings"][kind],
             position_ids=context["position_ids"],
-            use_cache=False,
+            **cache,
         )
 
     def head(self, hidden: Tensor) -> Tensor:
@@ -168,6 +177,26 @@ class DecoderAdapter(ModelAdapter):
         if cap is not None:  # Gemma 2 (and Gemma 3 when set): cap * tanh(logits / cap)
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    # -- with a KV cache ----------------------------------------------------------------------
+
+    def embed_cached(self, input_ids: torch.LongTensor, attention_mask: Tensor | None,
+                     position_ids: Tensor) -> Tensor:
+        return self.embed(input_ids, attention_mask)  # no positions in the standard layout's embeddings
+
+    def block_context_cached(self, hidden: Tensor, attention_mask: Tensor | None, position_ids: Tensor,
+                             cache: Cache, layers: range) -> dict[str, Any]:
+        # Only the mask kinds of this stage's layers, each sized by one of its own cache layers.
+        kinds = {self.layer_mask_kind(i) for i in layers}
+        masks = {kind: MASK_FUNCTIONS[kind](config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                            cache=cache, position_ids=position_ids,
+                                            layer_idx=self._cache_mask_layer(cache, layers, kind == SLIDING))
+                 for kind in kinds}
+        return {"masks": masks, "position_ids": position_ids, "cache": cache,
+                "position_embeddings": self._rotary_tables(hidden, position_ids, kinds)}
+
+    def run_block_cached(self, index: int, hidden: Tensor, context: dict[str, Any]) -> Tensor:
+        return self._call_block(index, hidden, context, cache=context["cache"], use_cache=True)
 
 
 def has_standard_layout(model: nn.Module) -> bool:

@@ -6,13 +6,15 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers import Cache
 from transformers.masking_utils import create_causal_mask
 
 from .base import ModelAdapter
 
 
 class GPT2Adapter(ModelAdapter):
-    """Mirrors `GPT2Model.forward` / `GPT2LMHeadModel.forward` (transformers 5.x) without a cache."""
+    """Mirrors `GPT2Model.forward` / `GPT2LMHeadModel.forward` (transformers 5.x) without a cache,
+    and with one (the `*_cached` methods, for split generation)."""
 
     model_types = ("gpt2",)
     blocks_path = "transformer.h"
@@ -29,10 +31,7 @@ class GPT2Adapter(ModelAdapter):
         return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
     def embed(self, input_ids: torch.LongTensor, attention_mask: Tensor | None) -> Tensor:
-        t = self.model.transformer
-        inputs_embeds = t.wte(input_ids)
-        position_embeds = t.wpe(self._position_ids(inputs_embeds))
-        return t.drop(inputs_embeds + position_embeds.to(inputs_embeds.device))
+        return self.embed_cached(input_ids, attention_mask, self._position_ids(input_ids))
 
     def block_context(self, hidden: Tensor, attention_mask: Tensor | None) -> dict[str, Any]:
         self._check_mask(hidden, attention_mask)
@@ -59,3 +58,25 @@ class GPT2Adapter(ModelAdapter):
 
     def head(self, hidden: Tensor) -> Tensor:
         return self.model.lm_head(self.model.transformer.ln_f(hidden))
+
+    # -- with a KV cache ----------------------------------------------------------------------
+
+    def embed_cached(self, input_ids: torch.LongTensor, attention_mask: Tensor | None,
+                     position_ids: Tensor) -> Tensor:
+        t = self.model.transformer
+        inputs_embeds = t.wte(input_ids)
+        position_embeds = t.wpe(position_ids)
+        return t.drop(inputs_embeds + position_embeds.to(inputs_embeds.device))
+
+    def block_context_cached(self, hidden: Tensor, attention_mask: Tensor | None, position_ids: Tensor,
+                             cache: Cache, layers: range) -> dict[str, Any]:
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                  cache=cache, position_ids=position_ids,
+                                  layer_idx=self._cache_mask_layer(cache, layers))
+        return {"attention_mask": mask, "position_ids": position_ids, "cache": cache}
+
+    def run_block_cached(self, index: int, hidden: Tensor, context: dict[str, Any]) -> Tensor:
+        return self.model.transformer.h[index](
+            hidden, context["cache"], context["attention_mask"], None, encoder_attention_mask=None,
+            use_cache=True, position_ids=context["position_ids"],
+        )

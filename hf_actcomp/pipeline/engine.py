@@ -53,7 +53,8 @@ from .loading import load_stage_model
 from .mesh import build_mesh, check_world_size
 from .predictions import share_from_last
 from .probe import agree, measure_links, timed_median
-from .schedule import stage_actions
+from .schedule import check_schedule_supports, fused, stage_actions
+from .split_backward import input_gradient, weight_gradient, weights_of
 from .transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -165,6 +166,8 @@ class Pipeline(nn.Module):
         # MoE with output_router_logits: the load-balancing loss's statistics ride along with the
         # activations (forward) and its gradient with the activation gradients (backward).
         self.router = RouterLoss(model, self.stage) if router_spec(model) is not None else None
+        check_schedule_supports(plan.schedule, router_loss=self.router is not None)
+        self._deferred: dict[int, list] = {}  # zbh1: what each micro-batch's `W` needs, from its `B`
         if self.router is not None:
             self.traffic["router"] = TrafficCounter()
         self.links = self._stage_links()
@@ -330,7 +333,7 @@ class Pipeline(nn.Module):
             self.tie.share_rows(batch["input_ids"])
         saved: dict[int, tuple] = {}
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        actions = stage_actions(self.plan.schedule, self.stage_index, self.mesh.num_stages, len(micro))
+        actions = fused(stage_actions(self.plan.schedule, self.stage_index, self.mesh.num_stages, len(micro)))
         with self._naming_the_step("training"):
             for k, (kind, i) in enumerate(actions):
                 pair = k + 1 < len(actions) and self._receives(actions[k + 1][0])
@@ -338,8 +341,11 @@ class Pipeline(nn.Module):
                     saved[i] = self._forward(i, micro[i], normaliser, pair)
                     if self.is_last:
                         total += saved[i][1].detach().float()
+                elif kind == "W":
+                    if i in self._deferred:  # the first stage ran its whole backward at `B`
+                        weight_gradient(weights_of(self.stage), self._deferred.pop(i))
                 else:
-                    self._backward(i, *saved.pop(i), pair)
+                    self._backward(i, *saved.pop(i), pair, split=kind == "B")
         if self.tie is not None:
             self.tie.gather_gradient(batch["input_ids"])
         self.transport.flush()
@@ -643,7 +649,7 @@ class Pipeline(nn.Module):
 
     def _receives(self, kind: str) -> bool:
         """Whether an action of this kind starts by receiving (so a send can be paired with it)."""
-        return not self.is_first if kind == "F" else not self.is_last
+        return {"F": not self.is_first, "B": not self.is_last, "BW": not self.is_last}.get(kind, False)
 
     def _loss_normaliser(self, num_tokens: int, num_items_in_batch) -> torch.Tensor | None:
         """What this replica divides its token-loss sum by (on the last stage; None = the mean).
@@ -692,9 +698,15 @@ class Pipeline(nn.Module):
         self.links["forward_out"].send(i, out, stats, sample_ids=mb.sample_id, with_next_recv=pair)
         return x, out, probs
 
-    def _backward(self, i: int, x: torch.Tensor, out: torch.Tensor, probs: torch.Tensor | None, pair: bool) -> None:
+    def _backward(self, i: int, x: torch.Tensor, out: torch.Tensor, probs: torch.Tensor | None, pair: bool,
+                  split: bool = False) -> None:
+        """Micro-batch `i`'s backward, sending the input's gradient upstream. `split` (a `B`
+        whose `W` comes later): only the input gradient now; the weights' at its `W`."""
         router_grad = None
-        if self.is_last:
+        if split and not self.is_first:
+            grad = None if self.is_last else self.links["backward_in"].receive(i, out.shape)[0].to(out.dtype)
+            self._deferred[i] = input_gradient(out, grad, x, weights_of(self.stage))
+        elif self.is_last:
             out.backward()  # `out` is this micro-batch's loss
             router_grad = None if probs is None else probs.grad
         else:

@@ -60,7 +60,8 @@ def exact(out_dir: str, num_stages: int) -> None:
 
 def accumulate(out_dir: str, family: str) -> None:
     """k = 1, 2, 3 train_steps on different batches without zero_grad (the last one syncing),
-    then 3 AdamW steps; save grads after accumulation and the parameters after the steps."""
+    then (zbh1) two steps with num_items_in_batch and 3 AdamW steps; save grads after accumulation
+    and the parameters after the steps."""
     rank = dist.get_rank()
     for k in (1, 2, 3):
         model = debug_model(family, seed=0)
@@ -73,10 +74,11 @@ def accumulate(out_dir: str, family: str) -> None:
         tensors["tie_bytes"] = torch.tensor([pipe.stats()["categories"]["tie"]["bytes_sent"]])
         save_file({kk: v.contiguous() for kk, v in tensors.items()},
                   os.path.join(out_dir, f"{family}-k{k}-rank{rank}.safetensors"))
-    # Normalised by the tokens of the whole accumulated step, as Trainer's num_items_in_batch.
+    # Normalised by the tokens of the whole accumulated step, as Trainer's num_items_in_batch;
+    # here and in the AdamW steps below under zero-bubble H1 (weight gradients deferred).
     model = debug_model(family, seed=0)
-    pipe = hf_actcomp.prepare(model, Plan(num_stages=dist.get_world_size(), micro_batches=dist.get_world_size()),
-                              timeout=60)
+    pipe = hf_actcomp.prepare(model, Plan(num_stages=dist.get_world_size(), micro_batches=dist.get_world_size(),
+                                          schedule="zbh1"), timeout=60)
     batches = [padded_batch(model.config.vocab_size, seed=step) for step in range(2)]
     num_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
     losses = [pipe.train_step(b, num_items_in_batch=num_items, sync=i == 1).loss for i, b in enumerate(batches)]

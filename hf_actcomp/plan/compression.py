@@ -1,0 +1,197 @@
+"""`Compression`: how one direction (activations or gradients) of a stage boundary is compressed.
+
+Its own module because more than the plan's boundaries take one: the tied-embedding rows, a
+compressed warm-up of AQ-SGD and DiLoCo's pseudo-gradients. Codec names and their fields are
+checked against the codec registry (`hf_actcomp.codecs`): a codec registered there is accepted
+here as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..codecs import CODECS, available_codecs
+from .config import _check_choice, _known_fields
+
+# `aqsgd` is a method, not a codec: it wraps one of these (`inner`) with a per-sample memory. Every
+# other method is a registered codec, and only those are stateless enough for a warm-up
+# (`first_visit`) or the tied-embedding rows (`Plan.tie_compression`).
+AQSGD = "aqsgd"
+FEEDBACK_KINDS = ("none", "ef", "ef21")
+AQSGD_INNER = ("quantize", "topk")
+FIRST_VISIT = ("full", "direct")
+INFERENCE_FALLBACK = ("direct", "none")
+
+
+def _registered_choices(key: str) -> list[Any]:
+    """Every value a registered codec accepts for the choice field `key`, in declaration order
+    (empty when no codec declares `key` as a choice)."""
+    allowed: list[Any] = []
+    for codec in CODECS.values():
+        param = codec.params.get(key)
+        allowed += [c for c in (param.choices if param is not None else ()) if c not in allowed]
+    return allowed
+
+
+def compression_methods() -> list[str]:
+    """What `Compression(method=...)` accepts: `aqsgd` and every registered codec, sorted."""
+    return sorted((AQSGD, *CODECS))
+
+
+@dataclass
+class Compression:
+    """How one direction (forward activations or backward gradients) of every boundary is compressed.
+
+    Args:
+        method: codec name (`none`, `fp16`, `bf16`, `quantize`, `topk`, `randk`, `hadamard`, or one
+            registered with `hf_actcomp.register_codec`) or `aqsgd` (delta against a per-sample
+            memory, forward direction only). `hadamard`
+            rotates each token by a random-sign Hadamard matrix before tile-wise quantization with
+            per-tile widths: stateless, for data sets too large for AQ-SGD's memory.
+        bits: bit width 1..8 for `quantize`, `hadamard` (average) and for `aqsgd` with `inner="quantize"`.
+            Each codec declares the fields it takes and their checks (`Codec.params`); the fields
+            a codec does not take are ignored, except that a choice field must hold a value some
+            registered codec accepts.
+        ratio: fraction of elements kept, in (0, 1], for `topk`, `randk` and `aqsgd` with `inner="topk"`.
+        granularity: `group` (one scale per `group_size` elements) or `channel` (one scale per
+            hidden channel, as in the AQ-SGD reference code).
+        group_size: elements per scale when `granularity="group"` (`hadamard`: per tile).
+        rounding: `deterministic` or `stochastic` (unbiased) rounding for quantization.
+        value_dtype: dtype of the values a sparsifier sends.
+        feedback: `none`, `ef` (error feedback) or `ef21`; not combinable with `aqsgd`.
+        inner: the codec AQ-SGD applies to deltas: `quantize` or `topk`.
+        first_visit: what AQ-SGD sends the first time a sample is seen: `full` (uncompressed, as
+            the reference code's warm-up epoch), `direct` (the inner codec on the activation), or a
+            stateless `Compression` (a compressed warm-up, e.g. `Compression("hadamard", bits=4)`:
+            its decoded value becomes the sample's memory entry, which later deltas correct). A
+            dict (from JSON or YAML) is read as a `Compression`.
+        inference: what `aqsgd` becomes at inference, where there is no memory: `direct` (the
+            inner codec on the activation) or `none`.
+        seed: seed of stochastic rounding and random-k index streams (shared by both sides).
+    """
+
+    method: str = "none"
+    bits: int | None = None
+    ratio: float | None = None
+    granularity: str = "group"
+    group_size: int = 128
+    rounding: str = "deterministic"
+    value_dtype: str = "fp16"
+    feedback: str = "none"
+    inner: str = "quantize"
+    first_visit: str | Compression = "full"
+    inference: str = "direct"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        owner = "Compression"
+        if self.method not in compression_methods():
+            raise ValueError(
+                f"Compression.method={self.method!r} is not valid. Allowed values: {', '.join(compression_methods())}. "
+                "A codec of your own must be registered (hf_actcomp.register_codec) in every process before "
+                "the plan is built or read."
+            )
+        _check_choice(owner, "feedback", self.feedback, FEEDBACK_KINDS)
+        _check_choice(owner, "inner", self.inner, AQSGD_INNER)
+        self.first_visit = _check_first_visit(self.first_visit)
+        _check_choice(owner, "inference", self.inference, INFERENCE_FALLBACK)
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"Compression.group_size={self.group_size!r} must be a positive integer.")
+        self._check_codec_fields()
+        if self.method == AQSGD and self.feedback != "none":
+            raise ValueError(
+                f"Compression.feedback={self.feedback!r} cannot be combined with method='aqsgd' "
+                "(AQ-SGD already compensates through its delta memory). Use feedback='none'."
+            )
+
+    def _check_codec_fields(self) -> None:
+        """The fields the codec takes, by the codec's own checks (`Codec.params`). A choice field it
+        ignores must still hold a value some registered codec accepts: a typo in a saved plan fails
+        now, not the day the plan switches codec."""
+        codec = CODECS[self.codec_name]
+        names = [f.name for f in fields(self)]
+        for key, param in codec.params.items():
+            if key not in names:
+                raise ValueError(f"Codec {codec.name!r} declares the field {key!r}, which Compression does not have "
+                                 f"(fields: {', '.join(sorted(names))}).")
+            value = getattr(self, key)
+            if value is None and param.required:
+                raise ValueError(f"Compression(method={self.method!r}) needs {key} (allowed: {param.allowed()}).")
+            if value is not None:
+                setattr(self, key, param.check(f"Compression.{key}", value))
+        for key in (name for name in names if name not in codec.params):
+            allowed = _registered_choices(key)
+            if allowed:
+                _check_choice("Compression", key, getattr(self, key), allowed)
+
+    @property
+    def codec_name(self) -> str:
+        """The codec that actually encodes tensors (for `aqsgd`, its inner codec)."""
+        return self.inner if self.method == AQSGD else self.method
+
+    def codec_params(self) -> dict[str, Any]:
+        """Constructor arguments of the codec named by `codec_name`: the fields it declares in
+        `Codec.params` that are set."""
+        return {key: getattr(self, key) for key in CODECS[self.codec_name].params if getattr(self, key) is not None}
+
+    def describe(self) -> str:
+        """Short label such as `aqsgd-quantize4`, `topk0.1+ef` or, with a compressed warm-up,
+        `aqsgd-quantize2 (warm-up hadamard4)`, for tables and logs (the codec's `label`)."""
+        label = CODECS[self.codec_name].label(self.codec_params())
+        if self.method == AQSGD:
+            label = f"aqsgd-{label}"
+            if isinstance(self.first_visit, Compression):
+                label += f" (warm-up {self.first_visit.describe()})"
+        if self.feedback != "none":
+            label += f"+{self.feedback}"
+        return label
+
+
+def _read_compression(value: dict[str, Any], owner: str) -> Compression:
+    """A `Compression` from its dict (JSON, YAML), warning about keys a newer version may have
+    added; a bad value fails with `owner` in front of the message."""
+    try:
+        return Compression(**_known_fields(Compression, value, owner))
+    except ValueError as err:
+        raise ValueError(f"{owner}: {err}") from err
+
+
+def _check_first_visit(value: Any) -> str | Compression:
+    """`Compression.first_visit`: `full`, `direct`, or a stateless `Compression` (a dict is read
+    as one, warning about keys a newer version may have added)."""
+    owner = "Compression.first_visit"
+    if isinstance(value, dict):
+        value = _read_compression(value, owner)
+    if isinstance(value, Compression):
+        if value.method == AQSGD:
+            raise ValueError(
+                f"{owner}.method={value.method!r} is not valid: the warm-up codec must be stateless. "
+                f"Allowed values: {', '.join(available_codecs())}."
+            )
+        if value.feedback != "none":
+            raise ValueError(
+                f"{owner}.feedback={value.feedback!r} is not valid: the warm-up codec must be stateless. "
+                "Allowed values: none."
+            )
+        return value
+    if isinstance(value, str) and value in FIRST_VISIT:
+        return value
+    raise ValueError(
+        f"{owner}={value!r} is not valid. Allowed values: {', '.join(FIRST_VISIT)}, or a stateless "
+        f"Compression (method: {', '.join(available_codecs())}; feedback: none)."
+    )
+
+
+def _stateless_compression(value: Any, owner: str) -> Compression:
+    """A stateless `Compression` (or its dict) for a part that keeps its own error feedback."""
+    if isinstance(value, dict):
+        value = _read_compression(value, owner)
+    if not isinstance(value, Compression):
+        raise ValueError(f"{owner}={value!r} must be a Compression, a dict or None.")
+    if value.method == AQSGD or value.feedback != "none":
+        raise ValueError(
+            f"{owner}={value.describe()!r} is not valid: it needs a stateless codec (error feedback is always on "
+            f"there). Allowed methods: {', '.join(available_codecs())}; feedback: none."
+        )
+    return value
