@@ -292,6 +292,8 @@ def two_processes(tmp_path_factory):
         "bf16_lora": {"plan": {"num_stages": 2}, "lora": True, "dtype": "bfloat16", "args": {"bf16": True}},
         # Plan.auto under Trainer: measured at the first step, saved with the model
         "auto": {"plan": Plan.auto(num_stages=2, micro_batches=2).to_dict(), "save": str(root / "auto")},
+        # zero-bubble H1 under Trainer, with every block recomputed in the backward
+        "zbh1": {"plan": {"num_stages": 2, "schedule": "zbh1"}, "args": {"activation_checkpointing": True}},
         # Trainer's evaluation contract: compute_metrics on what include_for_metrics adds, predict()
         "predict": {"plan": {"num_stages": 2}, "predict": True,
                     "args": {"include_for_metrics": ["inputs", "loss"], "eval_accumulation_steps": 1,
@@ -306,6 +308,7 @@ def four_processes(tmp_path_factory):
     root = tmp_path_factory.mktemp("four_processes")
     runs = {
         "plain": {"plan": {"num_stages": 2, "data_parallel": 2}, "evaluate": True},
+        "zbh1": {"plan": {"num_stages": 2, "data_parallel": 2, "schedule": "zbh1"}},
         "aqsgd": {"plan": Plan(num_stages=2, data_parallel=2, forward=Compression("aqsgd", bits=4)).to_dict(),
                   "args": {"max_steps": 4}},
     }
@@ -336,6 +339,20 @@ def _stage_weights(out: str, world: int, num_stages: int) -> list[dict[str, torc
             weights.pop("transformer.wte.weight", None)
         parts.append(weights)
     return parts
+
+
+@pytest.mark.parametrize("data_parallel", [1, 2], ids=["2-stages", "2x2-data-parallel"])
+def test_distributed_zbh1_matches_plain_trainer(tmp_path, request, data_parallel):
+    """Plan(schedule="zbh1") under ActCompTrainer, codec none (2 stages with activation
+    checkpointing; 2 x 2 with data parallel): plain Trainer's losses, norms and final weights."""
+    world = 2 * data_parallel
+    root = request.getfixturevalue("two_processes" if data_parallel == 1 else "four_processes")
+    reference_model = debug_model("gpt2", seed=0)
+    reference = _reference(tmp_path, reference_model, batch_size=4 * data_parallel)
+    out, results = _results(root, "zbh1", world)
+    for rank, result in enumerate(results):
+        norms = [h["grad_norm"] for h in result["logs"]]
+        _assert_same_run(reference, result["losses"], norms, _stage_weights(out, world, 2)[rank], reference_model)
 
 
 @pytest.mark.parametrize("data_parallel", [1, 2], ids=["2-stages", "2x2-data-parallel"])
