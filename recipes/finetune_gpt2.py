@@ -60,7 +60,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--plan", default=DEFAULT_PLAN, help="plan YAML/JSON file")
     p.add_argument("--num_stages", type=int, default=None, help="override the plan's num_stages")
     p.add_argument("--micro_batches", type=int, default=None, help="override the plan's micro_batches")
-    p.add_argument("--schedule", default=None, help="override the plan's schedule: gpipe or 1f1b")
+    p.add_argument("--schedule", default=None, help="override the plan's schedule: gpipe, 1f1b or zbh1")
     p.add_argument("--data_parallel", type=int, default=None,
                    help="pipeline replicas (processes = num_stages x data_parallel)")
     p.add_argument("--dp_compression", default=None,
