@@ -311,7 +311,7 @@ def profiled(fn, *args) -> tuple[dict, str]:
     stats.sort_stats("tottime").print_stats(30)
     # What is neither model nor wire: the loops, their data, logging, callbacks, telemetry.
     stats.sort_stats("cumulative").print_stats(
-        "transformers/trainer|trainer_callback|accelerate|tqdm|hf_actcomp/trainer|engine.py.*stats|"
+        "transformers/trainer|trainer_callback|accelerate|tqdm|hf_actcomp/trainer|engine.py.*stats|pipeline/stats.py|"
         "_local_counters|datasets|data_collator|dataloader|optim", 60)
     return result, text.getvalue()
 

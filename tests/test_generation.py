@@ -192,7 +192,7 @@ def test_pipeline_generate_refuses_beam_search_before_any_work(monkeypatch):
 
     import hf_actcomp
     from hf_actcomp import Plan
-    from hf_actcomp.pipeline import engine
+    from hf_actcomp.pipeline import generate
 
     model = debug_model("llama", seed=0).eval()
     ids = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
@@ -203,7 +203,7 @@ def test_pipeline_generate_refuses_beam_search_before_any_work(monkeypatch):
         pipe = hf_actcomp.prepare(model, Plan(num_stages=1))
         with monkeypatch.context() as patch:
             for name in ("CachedStage", "generation_pieces"):
-                patch.setattr(engine, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} was reached"))
+                patch.setattr(generate, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} was reached"))
             with pytest.raises(ValueError, match=r"^Pipeline.generate \(the model split over processes\) does not "
                                                  r"support num_beams=4 \(beam search; set num_beams=1\)\."):
                 pipe.generate(ids, max_new_tokens=4, num_beams=4)

@@ -26,36 +26,33 @@ from .. import checkpoint
 from ..auto import describe as describe_decision
 from ..auto import plan_boundaries, tie_compression
 from ..batching import MicroBatch, check_batch, count_label_tokens, micro_batch_count, split_batch
-from ..boundary import Boundary, NonFiniteError
+from ..boundary import Boundary
 from ..checkpoint import CompressionState, model_fingerprint
 from ..codecs import make_codec
 from ..dp import make_compressor
 from ..dp.base import ring_allreduce_bytes
 from ..dp.outer import OuterSync, bind_host, lighthouses
-from ..generation import (
-    CachedStage,
-    check_split_generation,
-    generation_pieces,
-    next_tokens,
-    positions_from_mask,
-)
+from ..generation import check_split_generation
 from ..memory import replica_sample_range
 from ..models import get_adapter, unwrap_peft
 from ..models.compile import compile_blocks, compile_options
 from ..models.router import RouterLoss, router_spec
 from ..models.split import stage_ranges
 from ..plan import Plan
-from ..telemetry import TrafficCounter, summarize
+from ..telemetry import TrafficCounter
 from .checkpointing import StageWeights, free_other_parameters
+from .generate import SplitGenerator
 from .gradsync import GradientSync, TiedEmbedding
-from .link import NEXT_TOKENS_TAG, StageLink
+from .link import StageLink, naming_the_step
 from .loading import load_stage_model
 from .mesh import build_mesh, check_world_size
 from .predictions import share_from_last
 from .probe import agree, measure_links, timed_median
 from .schedule import check_schedule_supports, fused, stage_actions
 from .split_backward import input_gradient, weight_gradient, weights_of
+from .stats import StageStats
 from .transport import Transport
+from .weights import push_to_hub, save_pretrained
 
 logger = logging.getLogger(__name__)
 
@@ -184,11 +181,10 @@ class Pipeline(nn.Module):
         self.compression = self._compression_state()
         self.weights = StageWeights(self.stage, self.mesh, self.group, self.tied_pairs, self.peft_model)
         self._sync = True
-        # This stage's own timers; the transport and the gradient sync keep theirs (waiting on
-        # point-to-point messages, and the gradient collectives).
-        self.seconds_step = 0.0
-        self.seconds_collectives = 0.0  # loss broadcast, token-count and loss all-reduces
-        self.steps = 0
+        self.counters = StageStats(self.mesh, self.group, self.traffic, self.transport, self.grads,
+                                   self.data_parallel, self.outer)
+        self.generator = SplitGenerator(self.mesh, self.transport, self.device, ranges[s], self.hidden_size, self.tie,
+                                        self.traffic["inference"], self._autocast)
 
     # ------------------------------------------------------------------------- properties
     @property
@@ -354,8 +350,8 @@ class Pipeline(nn.Module):
             self.grads.average_over_replicas()
             self._optimizer_steps += 1
         loss = self._broadcast_loss(self._mean_over_replicas(total))
-        self.seconds_step += time.perf_counter() - start
-        self.steps += 1
+        self.counters.seconds_step += time.perf_counter() - start
+        self.counters.steps += 1
         return StepOutput(loss=loss, num_tokens=num_tokens)
 
     # ------------------------------------------------------------------------- Plan.auto
@@ -529,107 +525,13 @@ class Pipeline(nn.Module):
         was_training = model.training
         model.eval()
         try:
-            return self._generate(model, input_ids, attention_mask, generation_config, **kwargs)
+            return self.generator.generate(model, self.links, self.counters.steps, input_ids, attention_mask,
+                                           generation_config, **kwargs)
         finally:
             model.train(was_training)
 
-    def _generate(self, model, input_ids, attention_mask, generation_config, **kwargs) -> torch.Tensor:
-        device = self.device
-        input_ids = input_ids.to(device)
-        attention_mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(device)
-        config, processors, stopping = generation_pieces(model, input_ids, attention_mask, generation_config,
-                                                         **kwargs)
-        r = self.ranges[self.stage_index]
-        stage = CachedStage(model, get_adapter(model), r.start, r.stop, first=self.is_first, last=self.is_last)
-        receiver = self.forward_in.inference if self.forward_in is not None else None
-        sender = self.forward_out.inference if self.forward_out is not None else None
-        # MoE with output_router_logits: the link's side channel carries no loss statistics here
-        # (no loss is computed), zeros of its fixed size keep the wire format.
-        side = (torch.zeros(self.links["forward_out"].side_numel, device=device)
-                if sender is not None and self.links["forward_out"].side_numel else None)
-        counter = self.traffic["inference"]
-        batch = input_ids.shape[0]
-        pad = config._pad_token_tensor
-        has_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping)
-        unfinished = torch.ones(batch, dtype=torch.long, device=device)
-        positions = positions_from_mask(attention_mask)
-        mask = None if bool((attention_mask == 1).all()) else attention_mask  # as generate passes it
-        new, step = input_ids, 0
-        # An exact tie's rows of the chosen tokens ride with their ids (one message of a size known
-        # in advance, so its receive is posted early): a separate message of the distinct rows,
-        # whose receive can only be posted once the ids are in, costs one more round trip per token.
-        rows_with_ids = self.tie is not None and self.tie.active and self.tie.compressor is None
-        while True:
-            if self.tie is not None and (step == 0 or not rows_with_ids):
-                self.tie.share_rows(new, counter)  # the first stage's copy needs the rows of the new tokens
-            shape = (batch, new.shape[1], self.hidden_size)
-            h = new
-            if not self.is_first:
-                with self._naming_the_step("generation"):
-                    self.links["forward_in"].post(step, shape, device, f"generation activations of token {step}",
-                                                  codec=receiver)
-                    h, _ = self.links["forward_in"].receive(step, shape, codec=receiver)
-            with self._autocast():
-                out = stage(h, mask, positions)
-            message = torch.empty(2 * batch, dtype=torch.long, device=device)  # next tokens, unfinished flags
-            if self.is_last:
-                chosen = next_tokens(config, processors, input_ids, out[:, -1])
-                if has_eos:
-                    chosen = chosen * unfinished + pad * (1 - unfinished)
-                unfinished = unfinished & ~stopping(torch.cat([input_ids, chosen[:, None]], dim=-1), None).long()
-                message = torch.cat([chosen, unfinished])
-            else:
-                self.links["forward_out"].send(step, out, side, codec=sender, counter=counter)
-            if self.mesh.num_stages > 1:
-                message = self._share_next_tokens(message, step, counter, rows_with_ids)
-            chosen, unfinished = message[:batch], message[batch:]
-            input_ids = torch.cat([input_ids, chosen[:, None]], dim=-1)
-            if unfinished.max() == 0:
-                break
-            if mask is not None:
-                mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=-1)
-            positions = positions[:, -1:] + 1
-            new, step = chosen[:, None], step + 1
-        self.transport.flush()
-        return input_ids
-
-    def _share_next_tokens(self, message: torch.Tensor, step: int, counter: TrafficCounter,
-                           rows_with_ids: bool) -> torch.Tensor:
-        """The last stage sends the chosen ids and unfinished flags to every other stage, point to
-        point through the transport (a hung peer raises `PeerTimeoutError`, as in training); to the
-        first stage, with an exact tie, followed by the tied rows of the chosen tokens (one per
-        row of the batch), which it writes into its copy."""
-        ids_bytes = message.numel() * message.element_size()
-        tie = self.tie if rows_with_ids else None
-        if self.is_last:
-            ids = message.view(torch.uint8)
-            for dst in self.mesh.ranks[:-1]:
-                payload = ids
-                if tie is not None and dst == self.mesh.ranks[0]:
-                    rows = tie.param.detach().index_select(0, message[: message.numel() // 2])
-                    payload = torch.cat([ids, rows.contiguous().view(-1).view(torch.uint8)])
-                self.transport.send(payload, dst, tag=NEXT_TOKENS_TAG)
-                counter.add(payload.numel(), payload.numel())
-            return message
-        rows_bytes = 0
-        if tie is not None:
-            rows_bytes = message.numel() // 2 * tie.param.shape[1] * tie.param.element_size()
-        payload = self.transport.recv(ids_bytes + rows_bytes, self.mesh.ranks[-1], self.device,
-                                      f"the next token ids of generation step {step}", tag=NEXT_TOKENS_TAG)
-        message = payload[:ids_bytes].view(torch.long)
-        if tie is not None:
-            rows = payload[ids_bytes:].view(tie.param.dtype).view(-1, tie.param.shape[1])
-            with torch.no_grad():
-                tie.param.index_copy_(0, message[: message.numel() // 2], rows)
-        return message
-
-    @contextlib.contextmanager
     def _naming_the_step(self, what: str):
-        """A non-finite payload's error also names the step and the stage that received it."""
-        try:
-            yield
-        except NonFiniteError as err:
-            raise NonFiniteError(f"{what.capitalize()} step {self.steps + 1}, stage {self.stage_index}: {err}") from None
+        return naming_the_step(what, self.counters.steps + 1, self.stage_index)
 
     def _shape(self, mb: MicroBatch) -> tuple[int, ...]:
         """The shape of what crosses a boundary for micro-batch `mb` (either direction)."""
@@ -737,7 +639,7 @@ class Pipeline(nn.Module):
         start = time.perf_counter()
         dist.all_reduce(t, group=group)
         self.traffic["collectives"].add(ring_allreduce_bytes(t.numel() * t.element_size(), size))
-        self.seconds_collectives += time.perf_counter() - start
+        self.counters.seconds_collectives += time.perf_counter() - start
 
     def _broadcast_loss(self, total: torch.Tensor) -> torch.Tensor:
         if self.mesh.num_stages > 1:
@@ -745,7 +647,7 @@ class Pipeline(nn.Module):
             dist.broadcast(total, src=self.mesh.ranks[-1], group=self.group)
             if self.is_last:
                 self.traffic["collectives"].add(total.numel() * total.element_size() * (self.mesh.num_stages - 1))
-            self.seconds_collectives += time.perf_counter() - start
+            self.counters.seconds_collectives += time.perf_counter() - start
         return total
 
     def _mean_over_replicas(self, total: torch.Tensor) -> torch.Tensor:
@@ -762,7 +664,7 @@ class Pipeline(nn.Module):
         Returns the total norm before clipping."""
         start = time.perf_counter()
         norm = self.grads.clip_grad_norm_(max_norm, norm_type)
-        self.seconds_step += time.perf_counter() - start
+        self.counters.seconds_step += time.perf_counter() - start
         return norm
 
     def shard_dataset(self, dataset):
@@ -791,58 +693,19 @@ class Pipeline(nn.Module):
         With `gather=True` (collective: call on every rank of the pipeline) the counters of all
         its ranks are merged.
         """
-        local = self._local_counters()
-        if gather and self.mesh.num_stages > 1:
-            parts: list = [None] * self.mesh.num_stages
-            dist.all_gather_object(parts, local, group=self.group)
-        else:
-            parts = [local]
-        channels = {name: c for part in parts for name, c in part["channels"].items()}
-        traffic = {}
-        for part in parts:
-            for name, counter in part["traffic"].items():
-                entry = traffic.setdefault(name, {"bytes_sent": 0, "bytes_uncompressed": 0})
-                entry["bytes_sent"] += counter["bytes_sent"]
-                entry["bytes_uncompressed"] += counter["bytes_uncompressed"]
-        summary = summarize(channels, traffic)
-        summary["stages"] = {part["stage"]: part["timing"] for part in parts}
-        if self.data_parallel is not None:
-            summary["data_parallel"] = self.data_parallel.stats()
+        auto = None
         if self.plan.autotune is not None:
-            summary["auto"] = {"decision": self.plan.autotune.decision, "switches": list(self.auto_switches)}
-        return summary
+            auto = {"decision": self.plan.autotune.decision, "switches": list(self.auto_switches)}
+        return self.counters.summary(self._local_counters(), gather, auto)
 
     def _local_counters(self) -> dict:
-        traffic = {name: c.as_dict() for name, c in self.traffic.items()}
-        if self.data_parallel is not None:
-            traffic["data_parallel"] = self.data_parallel.stats()
-        waiting = self.transport.seconds_waiting + self.grads.seconds + self.seconds_collectives
-        timing = {
-            "steps": self.steps,
-            "seconds_step": self.seconds_step,
-            "seconds_waiting": waiting,
-            "seconds_computing": max(self.seconds_step - waiting, 0.0),
-        }
-        if self.outer is not None:  # DiLoCo's syncs run inside optimizer.step(), outside seconds_step
-            timing["seconds_outer_sync"] = self.outer.seconds
-        if self.plan.autotune is not None:  # Plan.auto's measurements, outside seconds_step
-            timing["seconds_probing"] = self.seconds_probing
         # Counted where sent: the sending ends of this rank's boundaries.
         channels = {b.name: b.stats for b in (self.forward_out, self.backward_out) if b is not None}
-        return {"stage": self.stage_index, "channels": channels, "traffic": traffic, "timing": timing}
+        return self.counters.local(channels, self.seconds_probing if self.plan.autotune is not None else None)
 
     def reset_stats(self) -> None:
         """Every counter and timer back to zero, in place (whoever counts into one keeps it)."""
-        for b in self.boundaries.values():
-            b.stats.reset()
-        for counter in self.traffic.values():
-            counter.reset()
-        self.grads.reset_stats()
-        self.transport.reset_stats()
-        if self.outer is not None:
-            self.outer.reset_stats()
-        self.seconds_step = self.seconds_collectives = 0.0
-        self.steps = 0
+        self.counters.reset(self.boundaries.values())
 
     # ------------------------------------------------------------------------- state
     def compression_state_dict(self) -> dict[str, torch.Tensor]:
@@ -894,14 +757,8 @@ class Pipeline(nn.Module):
         ...) join the measured traffic in `actcomp_results.json` and the model card.
         """
         stats = self.stats(gather=True)  # collective: every rank, before rank 0 writes
-        base = self.weights.save(save_directory, model if model is not None else self.model, **kwargs)
-        if self.mesh.rank == 0:
-            from .. import hub  # the card renderer, only when saving
-
-            self.plan.save_pretrained(save_directory)
-            run = {"base_model": getattr(base, "name_or_path", None), **(results or {})}
-            hub.save_run(save_directory, stats=stats, blocks=[[r.start, r.stop] for r in self.ranges], **run)
-        dist.barrier(group=self.group)
+        save_pretrained(self.weights, save_directory, model if model is not None else self.model, plan=self.plan,
+                        blocks=[[r.start, r.stop] for r in self.ranges], stats=stats, results=results, **kwargs)
 
     def push_to_hub(self, repo_id: str, model: nn.Module | None = None, *, save_directory: str | None = None,
                     private: bool | None = None, token: str | bool | None = None,
@@ -910,31 +767,8 @@ class Pipeline(nn.Module):
         Collective: call on every rank; rank 0 uploads (`hf_actcomp.hub.push_to_hub`). Without
         `save_directory`, a temporary folder made by rank 0 (every stage writes its shard there:
         the ranks must share a filesystem, as for any per-stage save)."""
-        import shutil
-        import tempfile
-
-        from .. import hub
-
-        holder = [save_directory]
-        if save_directory is None:
-            if self.mesh.rank == self.mesh.ranks[0]:
-                holder = [tempfile.mkdtemp(prefix="hf_actcomp_push_")]
-            dist.broadcast_object_list(holder, src=self.mesh.ranks[0], group=self.group)
-        directory = holder[0]
-        try:
-            self.save_pretrained(directory, model=model)
-            error = None
-            if self.mesh.rank == 0:
-                try:
-                    hub.push_to_hub(directory, repo_id, private=private, token=token, commit_message=commit_message)
-                except Exception as err:  # every rank must leave the barrier, then rank 0 re-raises
-                    error = err
-            dist.barrier(group=self.group)
-            if error is not None:
-                raise error
-        finally:
-            if save_directory is None and self.mesh.rank == self.mesh.ranks[0]:
-                shutil.rmtree(directory, ignore_errors=True)
+        push_to_hub(lambda directory: self.save_pretrained(directory, model=model), self.weights, repo_id,
+                    save_directory=save_directory, private=private, token=token, commit_message=commit_message)
 
     def load_stage_weights(self, directory: str | os.PathLike) -> None:
         """Load this stage's parameters from a `save_pretrained` directory, reading only its own

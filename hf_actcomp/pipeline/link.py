@@ -13,11 +13,12 @@ this stage still computes). Each direction has its own tag, so neither waits beh
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
 
-from ..boundary import Boundary, check_finite
+from ..boundary import Boundary, NonFiniteError, check_finite
 from ..codecs import Codec
 from ..telemetry import TrafficCounter
 from .transport import PostedRecv, Transport
@@ -25,6 +26,15 @@ from .transport import PostedRecv, Transport
 # gloo slots of the two directions (the tied-embedding exchange uses the default, 0).
 TAGS = {"forward": 1, "backward": 2}
 NEXT_TOKENS_TAG = 3  # generation: the chosen ids, from the last stage to every other stage
+
+
+@contextlib.contextmanager
+def naming_the_step(what: str, step: int, stage: int):
+    """A non-finite payload's error also names the step and the stage that received it."""
+    try:
+        yield
+    except NonFiniteError as err:
+        raise NonFiniteError(f"{what.capitalize()} step {step}, stage {stage}: {err}") from None
 
 
 class StageLink:

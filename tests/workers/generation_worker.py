@@ -16,7 +16,7 @@ import torch.distributed as dist
 import hf_actcomp
 from hf_actcomp import Compression, Plan
 from hf_actcomp.debug import debug_model
-from hf_actcomp.pipeline import engine
+from hf_actcomp.pipeline import generate
 
 
 def left_padded_prompts(model, lengths=(9, 5, 2), seed=1):
@@ -45,17 +45,17 @@ def build(family: str):
 def spying_on_logits():
     """The raw last-position logits the last stage picks each token from (empty on other stages)."""
     seen = []
-    original = engine.next_tokens
+    original = generate.next_tokens
 
     def spy(config, processors, input_ids, logits):
         seen.append(logits.detach().clone())
         return original(config, processors, input_ids, logits)
 
-    engine.next_tokens = spy
+    generate.next_tokens = spy
     try:
         yield seen
     finally:
-        engine.next_tokens = original
+        generate.next_tokens = original
 
 
 def logits_difference(got: list, reference: tuple) -> dict | None:
