@@ -11,9 +11,7 @@ reads the same batch; only the first stage uses `input_ids` and only the last `l
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -23,9 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import checkpoint
-from ..auto import describe as describe_decision
-from ..auto import plan_boundaries, tie_compression
-from ..batching import MicroBatch, check_batch, count_label_tokens, micro_batch_count, split_batch
+from ..batching import check_batch, count_label_tokens, micro_batch_count, split_batch
 from ..boundary import Boundary
 from ..checkpoint import CompressionState, model_fingerprint
 from ..codecs import make_codec
@@ -40,16 +36,17 @@ from ..models.router import RouterLoss, router_spec
 from ..models.split import stage_ranges
 from ..plan import Plan
 from ..telemetry import TrafficCounter
+from .autotune import AutoTuner
 from .checkpointing import StageWeights, free_other_parameters
+from .executor import run_actions
 from .generate import SplitGenerator
 from .gradsync import GradientSync, TiedEmbedding
-from .link import StageLink, naming_the_step
+from .link import naming_the_step
 from .loading import load_stage_model
 from .mesh import build_mesh, check_world_size
 from .predictions import share_from_last
-from .probe import agree, measure_links, timed_median
+from .runner import StageRunner
 from .schedule import check_schedule_supports, fused, stage_actions
-from .split_backward import input_gradient, weight_gradient, weights_of
 from .stats import StageStats
 from .transport import Transport
 from .weights import push_to_hub, save_pretrained
@@ -102,7 +99,6 @@ class Pipeline(nn.Module):
                              "does not do; use autocast_dtype=torch.bfloat16 (or None for full precision).")
         if autocast_dtype not in (None, torch.bfloat16):
             raise ValueError(f"autocast_dtype={autocast_dtype!r} is not supported; use torch.bfloat16 or None.")
-        self.plan = plan
         self.timeout = float(timeout)
         self.autocast_dtype = autocast_dtype
         # A PEFT model is split like its inner transformers model; saving writes the adapter only.
@@ -149,34 +145,29 @@ class Pipeline(nn.Module):
         if plan.uses_aqsgd and self.mesh.num_replicas > 1:
             self.sample_range = replica_sample_range(plan.memory.num_samples, self.mesh.num_replicas,
                                                      self.mesh.replica)
-        self.forward_in = self.backward_out = self.forward_out = self.backward_in = None
-        self._track_error = track_error
-        self._build_boundaries(plan)
-        # Plan.auto: measured and chosen at the first step (and every `adapt_every` optimizer steps).
-        self.auto_switches: list[dict] = []
         self._optimizer_steps = 0
         self._at_optimizer_step = True
-        self._decided_at = 0
-        self.seconds_probing = 0.0
         if plan.autotune is not None:
             self.traffic["probe"] = TrafficCounter()
         # MoE with output_router_logits: the load-balancing loss's statistics ride along with the
         # activations (forward) and its gradient with the activation gradients (backward).
-        self.router = RouterLoss(model, self.stage) if router_spec(model) is not None else None
-        check_schedule_supports(plan.schedule, router_loss=self.router is not None)
-        self._deferred: dict[int, list] = {}  # zbh1: what each micro-batch's `W` needs, from its `B`
-        if self.router is not None:
+        router = RouterLoss(model, self.stage) if router_spec(model) is not None else None
+        check_schedule_supports(plan.schedule, router_loss=router is not None)
+        if router is not None:
             self.traffic["router"] = TrafficCounter()
-        self.links = self._stage_links()
+        self.runner = StageRunner(self.stage, self.mesh, self.transport, self.device, plan, config=self.config,
+                                  loss_function=self.loss_function, boundary_dtype=self.boundary_dtype,
+                                  autocast_dtype=autocast_dtype, router=router, sample_range=self.sample_range,
+                                  track_error=track_error, side_counter=self.traffic.get("router"))
         self.dp_compressor = None
         if self.dp_group is not None:
             hook, params = plan.dp_hook()
             self.dp_compressor = make_compressor(hook, self.dp_group, **params)
             self.dp_compressor.param_names = {id(p): n for n, p in self.stage.named_parameters()}
-        self.tie = self._tied_embedding()
+        self.tie = self._tied_embedding(plan)
         self.grads = GradientSync(self.stage, self.mesh, self.group, self.dp_compressor, self.tie,
                                   self.traffic["collectives"])
-        self.outer = self._outer_sync() if plan.diloco is not None else None
+        self.outer = self._outer_sync(plan) if plan.diloco is not None else None
         self.data_parallel = self.dp_compressor or self.outer  # what talks between replicas, if anything
         self.compression = self._compression_state()
         self.weights = StageWeights(self.stage, self.mesh, self.group, self.tied_pairs, self.peft_model)
@@ -184,7 +175,9 @@ class Pipeline(nn.Module):
         self.counters = StageStats(self.mesh, self.group, self.traffic, self.transport, self.grads,
                                    self.data_parallel, self.outer)
         self.generator = SplitGenerator(self.mesh, self.transport, self.device, ranges[s], self.hidden_size, self.tie,
-                                        self.traffic["inference"], self._autocast)
+                                        self.traffic["inference"], self.runner.autocast)
+        # Plan.auto: measured and chosen at the first step (and every `adapt_every` optimizer steps).
+        self.autotuner = AutoTuner(self.runner, self.tie, self.traffic["probe"]) if plan.autotune is not None else None
 
     # ------------------------------------------------------------------------- properties
     @property
@@ -209,38 +202,31 @@ class Pipeline(nn.Module):
         return self.mesh.is_last
 
     @property
+    def plan(self) -> Plan:
+        """The plan in force (Plan.auto's decision included, once made)."""
+        return self.runner.plan
+
+    @property
     def boundaries(self) -> dict[str, Boundary]:
         """The boundary ends this rank holds, by name (`boundary0.forward`, ...)."""
-        ends = (self.forward_in, self.backward_out, self.forward_out, self.backward_in)
-        return {b.name: b for b in ends if b is not None}
+        return self.runner.boundaries
 
-    def _build_boundaries(self, plan: Plan, previous: dict[str, Boundary] | None = None) -> None:
-        """The ends of the two boundaries this stage touches (boundary b joins stage b and b+1),
-        with `plan`'s codecs. With `previous` (a switch by Plan.auto), an end whose codec did not
-        change is kept as it is; a new one keeps its counters, and AQ-SGD memory moves over when
-        both codecs are AQ-SGD (only its bit width changed); entering AQ-SGD starts a fresh one."""
-        s, last = self.mesh.stage, self.mesh.num_stages - 1
-        ends = {}
-        if s > 0:
-            ends["forward_in"] = (s - 1, "forward", dict(sender=False, sample_range=self.sample_range))
-            ends["backward_out"] = (s - 1, "backward", dict(receiver=False, track_error=self._track_error))
-        if s < last:
-            ends["forward_out"] = (s, "forward", dict(receiver=False, track_error=self._track_error,
-                                                     sample_range=self.sample_range))
-            ends["backward_in"] = (s, "backward", dict(sender=False))
-        for key, (b, direction, kwargs) in ends.items():
-            name = f"boundary{b}.{direction}"
-            compression = plan.forward_at(b) if direction == "forward" else plan.backward_at(b)
-            old = (previous or {}).get(name)
-            if old is not None and old.compression == compression:
-                setattr(self, key, old)
-                continue
-            end = Boundary(name, compression, plan.memory if direction == "forward" else None, **kwargs)
-            if old is not None:
-                end.stats = old.stats
-                if old.compression.method == compression.method == "aqsgd":
-                    end.adopt_memory(old)
-            setattr(self, key, end)
+    # The runner's pieces, under the names they have always had here.
+    forward_in = property(lambda self: self.runner.ends.get("forward_in"))
+    backward_out = property(lambda self: self.runner.ends.get("backward_out"))
+    forward_out = property(lambda self: self.runner.ends.get("forward_out"))
+    backward_in = property(lambda self: self.runner.ends.get("backward_in"))
+    links = property(lambda self: self.runner.links)
+    router = property(lambda self: self.runner.router)
+
+    @property
+    def auto_switches(self) -> list[dict]:
+        """Plan.auto's codec switches so far (empty for any other plan)."""
+        return self.autotuner.switches if self.autotuner is not None else []
+
+    @property
+    def seconds_probing(self) -> float:
+        return self.autotuner.seconds if self.autotuner is not None else 0.0
 
     def _compression_state(self) -> CompressionState:
         r, s = self.ranges[self.stage_index], self.stage_index
@@ -250,19 +236,7 @@ class Pipeline(nn.Module):
             metadata={"plan": self.plan.to_dict(), "world_size": self.plan.world_size, "stage": s,
                       "blocks": [r.start, r.stop], "model": model_fingerprint(self.config)})
 
-    def _stage_links(self) -> dict[str, StageLink]:
-        """The wire format of each boundary direction this rank touches: `forward_in`,
-        `backward_out` (to the previous stage), `forward_out`, `backward_in` (the next stage)."""
-        router = self.router
-        sides = {"forward": router.stats_numel if router else 0, "backward": router.num_experts if router else 0}
-        ends = {"forward_in": (self.forward_in, self.mesh.prev_rank), "backward_out": (self.backward_out, self.mesh.prev_rank),
-                "forward_out": (self.forward_out, self.mesh.next_rank), "backward_in": (self.backward_in, self.mesh.next_rank)}
-        return {key: StageLink(b, self.transport, peer, self.boundary_dtype,
-                               side_numel=sides[key.split("_")[0]],
-                               side_counter=self.traffic.get("router"))
-                for key, (b, peer) in ends.items() if b is not None}
-
-    def _tied_embedding(self) -> TiedEmbedding | None:
+    def _tied_embedding(self, plan: Plan) -> TiedEmbedding | None:
         """This stage's end of the embedding tied between the first and the last stage."""
         if self.mesh.num_stages == 1 or not (self.is_first or self.is_last):
             return None
@@ -271,15 +245,15 @@ class Pipeline(nn.Module):
             name = first if self.is_first else later
             if name in own:
                 return TiedEmbedding(own[name], self.mesh, self.transport, self.traffic["tie"],
-                                     self.plan.tie_compression)
+                                     plan.tie_compression)
         return None
 
     # ------------------------------------------------------------------------- replicas joined by outer steps
-    def _outer_sync(self) -> OuterSync:
+    def _outer_sync(self, plan: Plan) -> OuterSync:
         """DiLoCo's replica group of this stage (torchft)."""
         host = bind_host()
-        self._lighthouses, addresses = lighthouses(self.plan, host)  # servers this rank started (kept alive)
-        return OuterSync(self.plan.diloco, self.grads.trainable(), stage=self.stage_index,
+        self._lighthouses, addresses = lighthouses(plan, host)  # servers this rank started (kept alive)
+        return OuterSync(plan.diloco, self.grads.trainable(), stage=self.stage_index,
                          num_stages=self.mesh.num_stages, replica=self.replica, num_replicas=self.num_replicas,
                          lighthouse=addresses[self.stage_index], host=host, timeout=self.timeout)
 
@@ -319,29 +293,18 @@ class Pipeline(nn.Module):
                                "of the inner optimizer: call pipe.attach_optimizer(optimizer) once before training.")
         self.stage.train()
         micro = split_batch(batch, self.plan.micro_batches, self.device)
-        if self._auto_due():
-            self._auto_select(micro, batch["input_ids"])
+        if self.autotuner is not None and self.autotuner.due(self._optimizer_steps, self._at_optimizer_step):
+            self.autotuner.select(micro, batch["input_ids"], self._optimizer_steps)
+            self.compression = self._compression_state()  # the state of the ends now in force
         start = time.perf_counter()
         num_tokens = count_label_tokens(batch["labels"])
         normaliser = self._loss_normaliser(num_tokens, num_items_in_batch)
-        self._post_receives(micro, training=True)
+        self.runner.post_receives(micro, training=True)
         if self.tie is not None:
             self.tie.share_rows(batch["input_ids"])
-        saved: dict[int, tuple] = {}
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
         actions = fused(stage_actions(self.plan.schedule, self.stage_index, self.mesh.num_stages, len(micro)))
         with self._naming_the_step("training"):
-            for k, (kind, i) in enumerate(actions):
-                pair = k + 1 < len(actions) and self._receives(actions[k + 1][0])
-                if kind == "F":
-                    saved[i] = self._forward(i, micro[i], normaliser, pair)
-                    if self.is_last:
-                        total += saved[i][1].detach().float()
-                elif kind == "W":
-                    if i in self._deferred:  # the first stage ran its whole backward at `B`
-                        weight_gradient(weights_of(self.stage), self._deferred.pop(i))
-                else:
-                    self._backward(i, *saved.pop(i), pair, split=kind == "B")
+            total = run_actions(self.runner, actions, micro, normaliser)
         if self.tie is not None:
             self.tie.gather_gradient(batch["input_ids"])
         self.transport.flush()
@@ -353,96 +316,6 @@ class Pipeline(nn.Module):
         self.counters.seconds_step += time.perf_counter() - start
         self.counters.steps += 1
         return StepOutput(loss=loss, num_tokens=num_tokens)
-
-    # ------------------------------------------------------------------------- Plan.auto
-    def _auto_due(self) -> bool:
-        """Measure and choose now: at the first step of an undecided `Plan.auto`, and every
-        `adapt_every` optimizer steps after (only between optimizer steps)."""
-        config = self.plan.autotune
-        if config is None:
-            return False
-        if config.decision is None:
-            return True
-        return (config.adapt_every is not None and self._at_optimizer_step
-                and self._optimizer_steps - self._decided_at >= config.adapt_every)
-
-    def _auto_select(self, micro: list[MicroBatch], input_ids: torch.Tensor) -> None:
-        """Measure the compute and the links, agree on the codecs (rank 0 decides), apply them.
-        The tie's codec is chosen once, at the first decision, when the plan leaves it unset."""
-        config = self.plan.autotune
-        start = time.perf_counter()
-        shape = self._shape(micro[0])  # the largest micro-batch (tensor_split puts extra rows first)
-        nbytes = math.prod(shape) * torch.empty((), dtype=self.boundary_dtype).element_size()
-        compute = self._measure_compute(micro[0], config.probe_repeats)
-        counter = self.traffic["probe"]
-        links = measure_links(self.transport, self.mesh, self.device, nbytes, config.probe_repeats, counter)
-        tie_rows = None
-        if config.decision is None and self.plan.tie_compression is None and self.tie is not None and self.tie.active:
-            tie_rows = int(TiedEmbedding.rows_of(input_ids).numel())  # known on rank 0 (the first stage)
-        decision = agree(config, self.mesh, compute, links, shape, self.boundary_dtype, self.device, counter,
-                         len(micro), tie_rows)
-        decision["optimizer_step"] = self._optimizer_steps
-        self._apply_decision(decision)
-        self.seconds_probing += time.perf_counter() - start
-
-    def _measure_compute(self, mb: MicroBatch, repeats: int) -> float:
-        """Seconds of this stage's forward and backward of one micro-batch (the median of
-        `repeats` runs on stand-in inputs of its shape), leaving gradients and random state as
-        they were: a run that keeps its codecs is the run it would have been."""
-        params = [p for p in self.stage.parameters() if p.requires_grad]
-        saved = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-
-        def run() -> None:
-            x = mb.input_ids if self.is_first else torch.randn(
-                self._shape(mb), dtype=self.boundary_dtype, device=self.device, requires_grad=True)
-            with self._autocast():
-                out = self.stage(x, mb.attention_mask)
-                loss = self._loss(out, mb.labels, None) if self.is_last else out.float().sum()
-            loss.backward()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            for p in params:
-                p.grad = None
-
-        try:
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                return timed_median(run, repeats)
-        finally:
-            for p, grad in zip(params, saved, strict=True):
-                p.grad = grad
-
-    def _apply_decision(self, decision: dict, why: str = "measured") -> None:
-        """Switch to the codecs `decision` chose (where they differ), log what changed."""
-        previous = self.boundaries
-        plan = dataclasses.replace(self.plan, boundaries=plan_boundaries(decision),
-                                   autotune=dataclasses.replace(self.plan.autotune, decision=decision))
-        if "tie" in decision:  # only in a first decision (or the saved one): no tie row has crossed yet
-            plan = dataclasses.replace(plan, tie_compression=tie_compression(decision))
-            if self.tie is not None:
-                self.tie.set_compression(plan.tie_compression)
-        self._build_boundaries(plan, previous)
-        self.plan = plan
-        self.links = self._stage_links()
-        self.compression = self._compression_state()
-        self._decided_at = self._optimizer_steps
-        if self.mesh.rank == 0:
-            logger.info("%s", describe_decision(decision))
-        if self._optimizer_steps == 0:
-            return  # the first choice, before any training: nothing is switched
-        for name, old in previous.items():
-            new = self.boundaries[name].compression
-            if new == old.compression:
-                continue
-            memory = ("AQ-SGD memory kept" if old.compression.method == new.method == "aqsgd"
-                      else "AQ-SGD memory started empty" if new.method == "aqsgd" else "")
-            self.auto_switches.append({"optimizer_step": self._optimizer_steps, "channel": name,
-                                       "from": old.compression.describe(), "to": new.describe(), "memory": memory,
-                                       "why": why})
-            logger.info("Plan.auto: %s switched from %s to %s at optimizer step %d%s", name,
-                        old.compression.describe(), new.describe(), self._optimizer_steps,
-                        f" ({memory})" if memory else "")
 
     @torch.no_grad()
     def eval_step(self, batch: dict[str, torch.Tensor], *, compress: bool = True,
@@ -468,26 +341,19 @@ class Pipeline(nn.Module):
             counter = self.traffic["evaluation"]
             receiver = self.forward_in and (self.forward_in.inference if compress else self._uncompressed)
             sender = self.forward_out and (self.forward_out.inference if compress else self._uncompressed)
-            self._post_receives(micro, training=False, codec=receiver)
+            self.runner.post_receives(micro, training=False, codec=receiver)
             if self.tie is not None:
                 self.tie.share_rows(batch["input_ids"], counter)
             total = torch.zeros((), dtype=torch.float32, device=self.device)
             for i, mb in enumerate(micro):
-                x, side = mb.input_ids, None
-                if not self.is_first:
-                    with self._naming_the_step("evaluation"):
-                        x, side = self.links["forward_in"].receive(i, self._shape(mb), codec=receiver)
-                with self._autocast(), self._collecting_routers():
-                    out = self.stage(x, mb.attention_mask)
-                stats, probs = self.router.partial(mb.attention_mask, self.device, side) if self.router else (None, None)
+                with self._naming_the_step("evaluation"):
+                    out, stats, probs = self.runner.infer(i, mb, receiver, sender, counter)
                 if self.is_last:
                     if keep_logits:
                         logits.append(out)
                     if has_labels:
-                        loss = self._loss(out, mb.labels, normaliser).float()
+                        loss = self.runner.loss(out, mb.labels, normaliser).float()
                         total += loss if stats is None else loss + self.router.whole_loss(stats, probs)
-                else:
-                    self.links["forward_out"].send(i, out, stats, codec=sender, counter=counter)
             self.transport.flush()
         finally:
             self.stage.train(was_training)
@@ -533,26 +399,6 @@ class Pipeline(nn.Module):
     def _naming_the_step(self, what: str):
         return naming_the_step(what, self.counters.steps + 1, self.stage_index)
 
-    def _shape(self, mb: MicroBatch) -> tuple[int, ...]:
-        """The shape of what crosses a boundary for micro-batch `mb` (either direction)."""
-        return (*mb.input_ids.shape, self.hidden_size)
-
-    def _post_receives(self, micro: list[MicroBatch], *, training: bool, codec=None) -> None:
-        """Post every receive of the step at its start (sizes are known without data), so that a
-        payload can travel while this stage computes; see `Transport` for when they hit the wire.
-        Evaluation receives activations only, through the stateless `codec`."""
-        for i, mb in enumerate(micro):
-            if not self.is_first:
-                self.links["forward_in"].post(i, self._shape(mb), self.device,
-                                              f"{'' if training else 'eval '}activations of micro-batch {i}",
-                                              sample_ids=mb.sample_id if training else None, codec=codec)
-            if training and not self.is_last:
-                self.links["backward_in"].post(i, self._shape(mb), self.device, f"gradients of micro-batch {i}")
-
-    def _receives(self, kind: str) -> bool:
-        """Whether an action of this kind starts by receiving (so a send can be paired with it)."""
-        return {"F": not self.is_first, "B": not self.is_last, "BW": not self.is_last}.get(kind, False)
-
     def _loss_normaliser(self, num_tokens: int, num_items_in_batch) -> torch.Tensor | None:
         """What this replica divides its token-loss sum by (on the last stage; None = the mean).
 
@@ -570,60 +416,6 @@ class Pipeline(nn.Module):
         if self.plan.micro_batches > 1:
             return torch.tensor(num_tokens, device=self.device)
         return None
-
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, normaliser) -> torch.Tensor:
-        return self.loss_function(logits, labels, vocab_size=self.config.vocab_size, num_items_in_batch=normaliser)
-
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def _forward(self, i: int, mb: MicroBatch, normaliser, pair: bool) -> tuple:
-        """(input, output or loss, router probabilities or None) of micro-batch `i`, kept for its backward."""
-        x, side = mb.input_ids, None
-        if not self.is_first:
-            x, side = self.links["forward_in"].receive(i, self._shape(mb), sample_ids=mb.sample_id)
-            x = x.detach().requires_grad_(True)
-        with self._autocast(), self._collecting_routers():
-            out = self.stage(x, mb.attention_mask)
-            if self.is_last:
-                loss = self._loss(out, mb.labels, normaliser)
-        stats, probs = self.router.partial(mb.attention_mask, self.device, side) if self.router else (None, None)
-        if self.is_last:
-            if probs is not None:
-                if not probs.requires_grad:  # no router on this stage: a leaf, for its gradient
-                    probs.requires_grad_(True)
-                probs.retain_grad()  # its gradient goes back to every earlier stage's routers
-                loss = loss + self.router.whole_loss(stats, probs)
-            return x, loss, probs
-        self.links["forward_out"].send(i, out, stats, sample_ids=mb.sample_id, with_next_recv=pair)
-        return x, out, probs
-
-    def _backward(self, i: int, x: torch.Tensor, out: torch.Tensor, probs: torch.Tensor | None, pair: bool,
-                  split: bool = False) -> None:
-        """Micro-batch `i`'s backward, sending the input's gradient upstream. `split` (a `B`
-        whose `W` comes later): only the input gradient now; the weights' at its `W`."""
-        router_grad = None
-        if split and not self.is_first:
-            grad = None if self.is_last else self.links["backward_in"].receive(i, out.shape)[0].to(out.dtype)
-            self._deferred[i] = input_gradient(out, grad, x, weights_of(self.stage))
-        elif self.is_last:
-            out.backward()  # `out` is this micro-batch's loss
-            router_grad = None if probs is None else probs.grad
-        else:
-            grad, router_grad = self.links["backward_in"].receive(i, out.shape)
-            if probs is not None and probs.requires_grad:
-                torch.autograd.backward([out, probs], [grad.to(out.dtype), router_grad])
-            else:
-                out.backward(grad.to(out.dtype))
-        if self.is_first:
-            return
-        self.links["backward_out"].send(i, x.grad, router_grad, with_next_recv=pair)
-
-    # -- the router side channel (MoE load-balancing loss), empty for every other model
-    def _collecting_routers(self):
-        return self.router.collecting() if self.router is not None else contextlib.nullcontext()
 
     def count_over_replicas(self, count: int) -> int:
         """The sum of `count` over this stage's replicas (e.g. label tokens of an optimizer step,
@@ -693,15 +485,12 @@ class Pipeline(nn.Module):
         With `gather=True` (collective: call on every rank of the pipeline) the counters of all
         its ranks are merged.
         """
-        auto = None
-        if self.plan.autotune is not None:
-            auto = {"decision": self.plan.autotune.decision, "switches": list(self.auto_switches)}
+        auto = self.autotuner.summary() if self.autotuner is not None else None
         return self.counters.summary(self._local_counters(), gather, auto)
 
     def _local_counters(self) -> dict:
-        # Counted where sent: the sending ends of this rank's boundaries.
-        channels = {b.name: b.stats for b in (self.forward_out, self.backward_out) if b is not None}
-        return self.counters.local(channels, self.seconds_probing if self.plan.autotune is not None else None)
+        probing = self.autotuner.seconds if self.autotuner is not None else None
+        return self.counters.local(self.runner.sending_channels(), probing)
 
     def reset_stats(self) -> None:
         """Every counter and timer back to zero, in place (whoever counts into one keeps it)."""
@@ -734,11 +523,9 @@ class Pipeline(nn.Module):
         was saved (its metadata holds the plan), so that the state loads into the ends it belongs
         to. A no-op for any other plan. `load_compression_state` calls it; call it yourself before
         reading the state another way (`hf_actcomp.training_state.load_training_state`)."""
-        if self.plan.autotune is None:
-            return
-        saved = Plan.from_dict(checkpoint.saved_metadata(directory, self.compression.rank)["plan"])
-        if saved.autotune is not None and saved.autotune.decision is not None:
-            self._apply_decision(saved.autotune.decision, why="resumed")
+        if self.autotuner is not None and self.autotuner.restore(directory, self.compression.rank,
+                                                                   self._optimizer_steps):
+            self.compression = self._compression_state()
 
     def register_for_checkpointing(self, accelerator) -> None:
         """Make `accelerator.save_state(dir)` / `load_state(dir)` also save / load every rank's
