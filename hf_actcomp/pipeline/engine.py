@@ -11,7 +11,6 @@ reads the same batch; only the first stage uses `input_ids` and only the last `l
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ from ..boundary import Boundary
 from ..checkpoint import CompressionState, model_fingerprint
 from ..codecs import make_codec
 from ..dp import make_compressor
-from ..dp.base import ring_allreduce_bytes
 from ..dp.outer import OuterSync, bind_host, lighthouses
 from ..generation import check_split_generation
 from ..memory import replica_sample_range
@@ -45,13 +43,12 @@ from .link import naming_the_step
 from .loading import load_stage_model
 from .mesh import build_mesh, check_world_size
 from .predictions import share_from_last
+from .replicas import StepCollectives, shard_dataset
 from .runner import StageRunner
 from .schedule import check_schedule_supports, fused, stage_actions
 from .stats import StageStats
 from .transport import Transport
 from .weights import push_to_hub, save_pretrained
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -174,6 +171,8 @@ class Pipeline(nn.Module):
         self._sync = True
         self.counters = StageStats(self.mesh, self.group, self.traffic, self.transport, self.grads,
                                    self.data_parallel, self.outer)
+        self.collectives = StepCollectives(self.mesh, self.group, self.dp_group, self.device,
+                                           self.traffic["collectives"], self.counters)
         self.generator = SplitGenerator(self.mesh, self.transport, self.device, ranges[s], self.hidden_size, self.tie,
                                         self.traffic["inference"], self.runner.autocast)
         # Plan.auto: measured and chosen at the first step (and every `adapt_every` optimizer steps).
@@ -298,7 +297,7 @@ class Pipeline(nn.Module):
             self.compression = self._compression_state()  # the state of the ends now in force
         start = time.perf_counter()
         num_tokens = count_label_tokens(batch["labels"])
-        normaliser = self._loss_normaliser(num_tokens, num_items_in_batch)
+        normaliser = self.collectives.loss_normaliser(num_tokens, num_items_in_batch, self.plan.micro_batches)
         self.runner.post_receives(micro, training=True)
         if self.tie is not None:
             self.tie.share_rows(batch["input_ids"])
@@ -312,7 +311,7 @@ class Pipeline(nn.Module):
         if self._at_optimizer_step:
             self.grads.average_over_replicas()
             self._optimizer_steps += 1
-        loss = self._broadcast_loss(self._mean_over_replicas(total))
+        loss = self.collectives.broadcast_loss(self.collectives.mean_over_replicas(total))
         self.counters.seconds_step += time.perf_counter() - start
         self.counters.steps += 1
         return StepOutput(loss=loss, num_tokens=num_tokens)
@@ -336,7 +335,8 @@ class Pipeline(nn.Module):
             num_tokens = count_label_tokens(batch["labels"]) if has_labels else 0
             normaliser = None
             if has_labels and self.is_last:  # every replica evaluates the whole batch: no share of a count
-                normaliser = (self._loss_normaliser(num_tokens, None) if num_items_in_batch is None else
+                normaliser = (self.collectives.loss_normaliser(num_tokens, None, self.plan.micro_batches)
+                              if num_items_in_batch is None else
                               torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=self.device))
             counter = self.traffic["evaluation"]
             receiver = self.forward_in and (self.forward_in.inference if compress else self._uncompressed)
@@ -357,7 +357,7 @@ class Pipeline(nn.Module):
             self.transport.flush()
         finally:
             self.stage.train(was_training)
-        loss = self._broadcast_loss(self._mean_over_replicas(total)) if has_labels else None
+        loss = self.collectives.broadcast_loss(self.collectives.mean_over_replicas(total)) if has_labels else None
         return StepOutput(loss=loss, num_tokens=num_tokens, logits=torch.cat(logits) if logits else None)
 
     def share_predictions(self, value):
@@ -399,55 +399,10 @@ class Pipeline(nn.Module):
     def _naming_the_step(self, what: str):
         return naming_the_step(what, self.counters.steps + 1, self.stage_index)
 
-    def _loss_normaliser(self, num_tokens: int, num_items_in_batch) -> torch.Tensor | None:
-        """What this replica divides its token-loss sum by (on the last stage; None = the mean).
-
-        Replicas hold different shards (and token counts) and their gradients are then averaged:
-        each divides by the global token count over D, so the average is the global batch's loss.
-        """
-        if not self.is_last:
-            return None
-        if num_items_in_batch is not None:
-            return torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=self.device) / self.num_replicas
-        if self.dp_group is not None:
-            total = torch.tensor(float(num_tokens), device=self.device)
-            self._all_reduce(total, self.dp_group, self.num_replicas)
-            return total / self.num_replicas
-        if self.plan.micro_batches > 1:
-            return torch.tensor(num_tokens, device=self.device)
-        return None
-
     def count_over_replicas(self, count: int) -> int:
         """The sum of `count` over this stage's replicas (e.g. label tokens of an optimizer step,
         for `num_items_in_batch`). Collective over the data-parallel group."""
-        if self.dp_group is None:
-            return int(count)
-        total = torch.tensor(int(count), dtype=torch.int64, device=self.device)
-        self._all_reduce(total, self.dp_group, self.num_replicas)
-        return int(total.item())
-
-    def _all_reduce(self, t: torch.Tensor, group, size: int) -> None:
-        """A small collective of the step (token counts, losses), timed and counted."""
-        start = time.perf_counter()
-        dist.all_reduce(t, group=group)
-        self.traffic["collectives"].add(ring_allreduce_bytes(t.numel() * t.element_size(), size))
-        self.counters.seconds_collectives += time.perf_counter() - start
-
-    def _broadcast_loss(self, total: torch.Tensor) -> torch.Tensor:
-        if self.mesh.num_stages > 1:
-            start = time.perf_counter()
-            dist.broadcast(total, src=self.mesh.ranks[-1], group=self.group)
-            if self.is_last:
-                self.traffic["collectives"].add(total.numel() * total.element_size() * (self.mesh.num_stages - 1))
-            self.counters.seconds_collectives += time.perf_counter() - start
-        return total
-
-    def _mean_over_replicas(self, total: torch.Tensor) -> torch.Tensor:
-        """The global batch's loss from each replica's share (last stages only)."""
-        if self.dp_group is not None and self.is_last:
-            self._all_reduce(total, self.dp_group, self.num_replicas)
-            total /= self.num_replicas
-        return total
+        return self.collectives.count_over_replicas(count)
 
     # ------------------------------------------------------------------------- optimisation helpers
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -464,16 +419,7 @@ class Pipeline(nn.Module):
         replica (the last `len % data_parallel` rows are dropped), so that replicas run the same
         number of steps and none waits forever at a collective. With AQ-SGD, add sample ids to the
         whole data set first: the replica keeps memory for its shard's ids only (`sample_range`)."""
-        replicas = self.num_replicas
-        if replicas == 1:
-            return dataset
-        usable = len(dataset) - len(dataset) % replicas
-        if usable == 0:
-            raise ValueError(f"A dataset of {len(dataset)} rows cannot give {replicas} replicas a row each.")
-        if usable < len(dataset):
-            logger.warning("Dropping the last %d of %d rows so that %d replicas get equal shards.",
-                           len(dataset) - usable, len(dataset), replicas)
-        return dataset.select(range(usable)).shard(replicas, self.replica, contiguous=True)
+        return shard_dataset(dataset, self.num_replicas, self.replica)
 
     # ------------------------------------------------------------------------- telemetry
     def stats(self, gather: bool = False) -> dict:
