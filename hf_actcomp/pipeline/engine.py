@@ -25,7 +25,6 @@ from ..boundary import Boundary
 from ..checkpoint import CompressionState, model_fingerprint
 from ..codecs import make_codec
 from ..dp import make_compressor
-from ..dp.outer import OuterSync, bind_host, lighthouses
 from ..generation import check_split_generation
 from ..memory import replica_sample_range
 from ..models import get_adapter, unwrap_peft
@@ -38,12 +37,12 @@ from .autotune import AutoTuner
 from .checkpointing import StageWeights, free_other_parameters
 from .executor import run_actions
 from .generate import SplitGenerator
-from .gradsync import GradientSync, TiedEmbedding
+from .gradsync import GradientSync, check_tied_embeddings, stage_tie
 from .link import naming_the_step
 from .loading import load_stage_model
 from .mesh import build_mesh, check_world_size
 from .predictions import share_from_last
-from .replicas import StepCollectives, shard_dataset
+from .replicas import StepCollectives, outer_sync, shard_dataset
 from .runner import StageRunner
 from .schedule import check_schedule_supports, fused, stage_actions
 from .stats import StageStats
@@ -107,7 +106,7 @@ class Pipeline(nn.Module):
         adapter = get_adapter(model)  # unsupported families fail here, before any collective
         ranges = stage_ranges(adapter, plan)
         self.tied_pairs = adapter.tied_weights()
-        _check_tied_embeddings(model, self.tied_pairs)
+        check_tied_embeddings(model, self.tied_pairs)
         if plan.data_parallel > 1 and plan.dp_hook()[0] == "powersgd":
             raise ValueError("Plan.dp_compression='powersgd' is torch's DDP hook; inside prepare() use one of "
                              "allreduce, dgc, ef_sign, marsit, qsgd, randk, topk.")
@@ -161,10 +160,13 @@ class Pipeline(nn.Module):
             hook, params = plan.dp_hook()
             self.dp_compressor = make_compressor(hook, self.dp_group, **params)
             self.dp_compressor.param_names = {id(p): n for n, p in self.stage.named_parameters()}
-        self.tie = self._tied_embedding(plan)
+        self.tie = stage_tie(self.stage, self.mesh, self.transport, self.traffic["tie"], self.tied_pairs,
+                             plan.tie_compression)  # this stage's end of the tied embedding, if any
         self.grads = GradientSync(self.stage, self.mesh, self.group, self.dp_compressor, self.tie,
                                   self.traffic["collectives"])
-        self.outer = self._outer_sync(plan) if plan.diloco is not None else None
+        self.outer = None
+        if plan.diloco is not None:  # the lighthouse servers this rank started are kept alive here
+            self.outer, self._lighthouses = outer_sync(plan, self.grads.trainable(), self.mesh, self.timeout)
         self.data_parallel = self.dp_compressor or self.outer  # what talks between replicas, if anything
         self.compression = self._compression_state()
         self.weights = StageWeights(self.stage, self.mesh, self.group, self.tied_pairs, self.peft_model)
@@ -234,27 +236,6 @@ class Pipeline(nn.Module):
             rank=self.replica * self.mesh.num_stages + s,  # the rank in a launch of every replica
             metadata={"plan": self.plan.to_dict(), "world_size": self.plan.world_size, "stage": s,
                       "blocks": [r.start, r.stop], "model": model_fingerprint(self.config)})
-
-    def _tied_embedding(self, plan: Plan) -> TiedEmbedding | None:
-        """This stage's end of the embedding tied between the first and the last stage."""
-        if self.mesh.num_stages == 1 or not (self.is_first or self.is_last):
-            return None
-        own = dict(self.stage.named_parameters())
-        for later, first in self.tied_pairs:
-            name = first if self.is_first else later
-            if name in own:
-                return TiedEmbedding(own[name], self.mesh, self.transport, self.traffic["tie"],
-                                     plan.tie_compression)
-        return None
-
-    # ------------------------------------------------------------------------- replicas joined by outer steps
-    def _outer_sync(self, plan: Plan) -> OuterSync:
-        """DiLoCo's replica group of this stage (torchft)."""
-        host = bind_host()
-        self._lighthouses, addresses = lighthouses(plan, host)  # servers this rank started (kept alive)
-        return OuterSync(plan.diloco, self.grads.trainable(), stage=self.stage_index,
-                         num_stages=self.mesh.num_stages, replica=self.replica, num_replicas=self.num_replicas,
-                         lighthouse=addresses[self.stage_index], host=host, timeout=self.timeout)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Tell the pipeline which optimizer steps this stage (needed with DiLoCo, whose outer step
@@ -561,15 +542,3 @@ def _default_device() -> torch.device:
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
-
-
-def _check_tied_embeddings(model: nn.Module, pairs: list[tuple[str, str]]) -> None:
-    """The tie exchange sends embedding rows: the first name of each tied pair must be a token
-    embedding (`nn.Embedding`). Checked on the full model, identically on every rank."""
-    for later, first in pairs:
-        module = model.get_submodule(first.rsplit(".", 1)[0]) if "." in first else model
-        if not isinstance(module, nn.Embedding):
-            raise ValueError(
-                f"{later!r} is tied to {first!r}, which is not an nn.Embedding: only a head tied to the input "
-                "token embedding is supported across pipeline stages. Untie it (tie_word_embeddings=False)."
-            )

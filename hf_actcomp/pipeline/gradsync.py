@@ -150,6 +150,31 @@ class TiedEmbedding:
             self.compressor.load_state_dict(state)
 
 
+def check_tied_embeddings(model: nn.Module, pairs: list[tuple[str, str]]) -> None:
+    """The tie exchange sends embedding rows: the first name of each tied pair must be a token
+    embedding (`nn.Embedding`). Checked on the full model, identically on every rank."""
+    for later, first in pairs:
+        module = model.get_submodule(first.rsplit(".", 1)[0]) if "." in first else model
+        if not isinstance(module, nn.Embedding):
+            raise ValueError(
+                f"{later!r} is tied to {first!r}, which is not an nn.Embedding: only a head tied to the input "
+                "token embedding is supported across pipeline stages. Untie it (tie_word_embeddings=False)."
+            )
+
+
+def stage_tie(stage: nn.Module, mesh: PipelineMesh, transport: Transport, counter: TrafficCounter,
+              tied_pairs: list[tuple[str, str]], compression: Compression | None) -> TiedEmbedding | None:
+    """This stage's end of the embedding tied between the first and the last stage, if any."""
+    if mesh.num_stages == 1 or not (mesh.is_first or mesh.is_last):
+        return None
+    own = dict(stage.named_parameters())
+    for later, first in tied_pairs:
+        name = first if mesh.is_first else later
+        if name in own:
+            return TiedEmbedding(own[name], mesh, transport, counter, compression)
+    return None
+
+
 class GradientSync:
     """Replica averaging and global clipping for one stage (see the module docstring).
 

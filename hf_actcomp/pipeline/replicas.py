@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ..dp.base import ring_allreduce_bytes
+from ..dp.outer import OuterSync, bind_host, lighthouses
+from ..plan import Plan
 from ..telemetry import TrafficCounter
 from .mesh import PipelineMesh
 from .stats import StageStats
@@ -102,3 +104,13 @@ def shard_dataset(dataset, replicas: int, replica: int):
         logger.warning("Dropping the last %d of %d rows so that %d replicas get equal shards.",
                        len(dataset) - usable, len(dataset), replicas)
     return dataset.select(range(usable)).shard(replicas, replica, contiguous=True)
+
+
+def outer_sync(plan: Plan, trainable, mesh: PipelineMesh, timeout: float) -> tuple[OuterSync, list]:
+    """DiLoCo's replica group of this stage (torchft), and the servers this rank started for it
+    (the caller keeps them alive)."""
+    host = bind_host()
+    servers, addresses = lighthouses(plan, host)
+    sync = OuterSync(plan.diloco, trainable, stage=mesh.stage, num_stages=mesh.num_stages, replica=mesh.replica,
+                     num_replicas=mesh.num_replicas, lighthouse=addresses[mesh.stage], host=host, timeout=timeout)
+    return sync, servers
