@@ -47,3 +47,24 @@ def test_missing_rank_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="No compression state for rank 1"):
         load_state(tmp_path, 1, metadata(PLAN, stage=1))
 
+
+
+def test_pipeline_checkpoint_hooks_read_the_state_when_they_run(tmp_path):
+    """`Pipeline.register_for_checkpointing`: Accelerate's save/load hooks go through the
+    pipeline's own save/load at the time they run, so a compression state replaced after
+    registering (a Plan.auto switch rebuilds it) is the one saved and loaded."""
+    from types import SimpleNamespace
+
+    from hf_actcomp.pipeline.engine import Pipeline
+
+    calls, hooks = [], {}
+    pipe = SimpleNamespace(save_compression_state=lambda d: calls.append(("save", d)),
+                           load_compression_state=lambda d: calls.append(("load", d)))
+    accelerator = SimpleNamespace(register_save_state_pre_hook=lambda h: hooks.update(save=h),
+                                  register_load_state_pre_hook=lambda h: hooks.update(load=h))
+    Pipeline.register_for_checkpointing(pipe, accelerator)
+    pipe.save_compression_state = lambda d: calls.append(("save after the switch", d))
+    hooks["save"]([], [], str(tmp_path))
+    hooks["load"]([], str(tmp_path))
+    assert calls == [("save after the switch", str(tmp_path / "actcomp_state")),
+                     ("load", str(tmp_path / "actcomp_state"))]

@@ -456,8 +456,18 @@ class Pipeline(nn.Module):
 
     def register_for_checkpointing(self, accelerator) -> None:
         """Make `accelerator.save_state(dir)` / `load_state(dir)` also save / load every rank's
-        compression state under `dir/actcomp_state`."""
-        self.compression.register_for_checkpointing(accelerator)
+        compression state under `dir/actcomp_state` (each rank registers its own hooks: Accelerate
+        saves custom objects on the main process only). The hooks read the state when they run,
+        so codecs that Plan.auto chooses or switches to after this call are the ones saved, and a
+        load takes the saved codecs back first."""
+        def save_hook(models, weights, output_dir):
+            self.save_compression_state(os.path.join(output_dir, checkpoint.COMPRESSION_STATE_DIR))
+
+        def load_hook(models, input_dir):
+            self.load_compression_state(os.path.join(input_dir, checkpoint.COMPRESSION_STATE_DIR))
+
+        accelerator.register_save_state_pre_hook(save_hook)
+        accelerator.register_load_state_pre_hook(load_hook)
 
     def save_pretrained(self, save_directory: str | os.PathLike, model: nn.Module | None = None,
                         results: dict | None = None, **kwargs) -> None:
