@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.save_state()
     if trainer.is_world_process_zero():
         os.makedirs(config.output_dir, exist_ok=True)
+    # Destroy the process groups before exit (transformers' Trainer.end): left to interpreter
+    # shutdown, gloo's destructor can abort a rank ("terminate called without an active exception").
+    trainer.end()
     return metrics
 
 
