@@ -237,3 +237,20 @@ def test_sample_callback_refuses_beam_search_when_constructed(tmp_path):
         LogSamplesCallback(trainer, SAMPLE_PROMPTS, do_sample=True)
     model.generation_config.num_return_sequences = 1
     LogSamplesCallback(trainer, SAMPLE_PROMPTS, do_sample=True, top_k=5)  # sampling is fine
+
+
+def test_an_adapter_without_a_cached_forward_is_refused_before_any_work():
+    """The cached-forward methods are optional (a training-only adapter still trains): every
+    shipped family has them, and split generation refuses an adapter that lacks them, naming them."""
+    from hf_actcomp import get_adapter
+    from hf_actcomp.generation import CachedStage
+
+    model = debug_model("gpt2", seed=0)
+    adapter = get_adapter(model)
+    assert type(adapter).has_cached_forward()
+    from hf_actcomp.models.base import ModelAdapter
+
+    bare = type("TrainingOnly", (type(adapter),), {"embed_cached": ModelAdapter.embed_cached})
+    assert not bare.has_cached_forward()
+    with pytest.raises(TypeError, match="cached forward .*embed_cached.*which TrainingOnly does not implement"):
+        CachedStage(model, bare(model), 0, 1, first=True, last=False)
