@@ -1,6 +1,8 @@
 """The multi-process pipeline (gloo, tiny models): exactness, agreement with simulate(), state
 and failure handling. Each test launches its own worker processes with a timeout."""
 
+import contextlib
+import copy
 import json
 
 import pytest
@@ -412,34 +414,78 @@ def test_hung_peer_times_out_when_waiting_or_polling(tmp_path):
         assert 1.5 < report["seconds"] < 10 and report["waiting"] >= 1.5
 
 
-def test_zbh1_refuses_a_router_loss_before_any_work():
-    """MoE with output_router_logits: zbh1 is refused when the pipeline is built (Pipeline calls
-    this check before its first step), naming the way out; the other schedules take it."""
-    from hf_actcomp.pipeline.schedule import check_schedule_supports
+@pytest.mark.parametrize("layer_type", ["linear", "conv1d", "linear_no_bias", "lora", "checkpointed"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_held_back_weight_gradients_equal_one_backward(layer_type, autocast):
+    """zbh1's `B` / `W` split: within `deferring`, the routed layers give the input gradient (and
+    the untouched layers, here a LayerNorm, their weights' gradient) and hold back their weight
+    and bias gradients, which `compute` then accumulates onto the ones already there; the result
+    equals one plain backward for every parameter, under bf16 autocast and activation
+    checkpointing too (whose recomputed saved tensors are detached copies: the gradient must
+    still land on the parameter). Frozen weights (a LoRA base layer) are not routed;
+    `keep_weight_gradients` restores the class's forward."""
+    from transformers.pytorch_utils import Conv1D
 
-    with pytest.raises(ValueError, match="schedule='zbh1' does not support a MoE model's load-balancing loss.*"
-                                         "Use schedule='1f1b'"):
-        check_schedule_supports("zbh1", router_loss=True)
-    for schedule in ("gpipe", "1f1b"):
-        check_schedule_supports(schedule, router_loss=True)
-    check_schedule_supports("zbh1", router_loss=False)
-
-
-def test_split_backward_uses_torch_pipelining_private_api():
-    """The one place that touches torch's private pipelining code: fails loudly if a torch release
-    renames or changes it (the input gradient alone, then the weights', equal one backward)."""
-    from hf_actcomp.pipeline.split_backward import input_gradient, weight_gradient, weights_of
+    from hf_actcomp.pipeline.split_backward import (
+        WeightGradients,
+        defer_weight_gradients,
+        keep_weight_gradients,
+    )
 
     torch.manual_seed(0)
-    layer = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    x = torch.randn(5, 4, requires_grad=True)
-    grad = torch.randn(5, 3)
-    layer(x).backward(grad)
-    expected = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
-    layer.zero_grad()
-    x.grad = None
-    groups = input_gradient(layer(x), grad, x, weights_of(layer))
-    assert all(p.grad is None for p in layer.parameters()) and x.grad is not None
-    weight_gradient(weights_of(layer), groups)
-    for got, want in zip([x.grad] + [p.grad for p in layer.parameters()], expected, strict=True):
-        torch.testing.assert_close(got, want)
+    first = {"linear": lambda: torch.nn.Linear(8, 16), "checkpointed": lambda: torch.nn.Linear(8, 16),
+             "conv1d": lambda: Conv1D(16, 8),
+             "linear_no_bias": lambda: torch.nn.Linear(8, 16, bias=False),
+             "lora": lambda: torch.nn.Linear(8, 16)}[layer_type]()
+    layers = torch.nn.Sequential(first, torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    if layer_type == "lora":  # a frozen layer beside a trainable low-rank pair, as peft builds it
+        first.weight.requires_grad_(False)
+        first.bias.requires_grad_(False)
+    plain = copy.deepcopy(layers)
+    store = WeightGradients()
+    assert defer_weight_gradients(layers, store) == (1 if layer_type == "lora" else 2)
+    x = torch.randn(2, 5, 8)
+    grad = torch.randn(2, 5, 4)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    results = []
+    for model, split in ((plain, False), (layers, True)):
+        for step in range(2):  # the second backward accumulates onto the first one's gradients
+            inp = x.clone().requires_grad_(True)
+            with context:
+                if layer_type == "checkpointed":
+                    out = torch.utils.checkpoint.checkpoint(model, inp, use_reentrant=False)
+                else:
+                    out = model(inp)
+            if split:
+                with store.deferring(step):
+                    out.backward(grad.to(out.dtype))
+                if step == 0:
+                    assert model[3].weight.grad is None  # routed: held back until `compute`
+                assert model[2].weight.grad is not None  # not routed: its gradient comes in `B`
+                store.compute(step)
+            else:
+                out.backward(grad.to(out.dtype))
+        results.append([inp.grad] + [p.grad for p in model.parameters()])
+    assert not store.pending
+    for got, want in zip(results[1], results[0], strict=True):
+        if want is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, want, **({"atol": 1e-2, "rtol": 1e-2} if autocast else {}))
+    keep_weight_gradients(layers)
+    assert not any("forward" in vars(m) for m in layers.modules())
+
+
+
+
+def test_compiled_blocks_keep_their_own_weight_gradients():
+    """Layers inside a `torch.compile`d block are not routed (a Python side effect in their
+    backward would break the compiled graph); the others are. Nothing is compiled here:
+    `nn.Module.compile` compiles at the first call."""
+    from hf_actcomp.pipeline.split_backward import WeightGradients, defer_weight_gradients
+
+    stage = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
+                                torch.nn.Linear(4, 4))
+    stage[0].compile()
+    assert defer_weight_gradients(stage, WeightGradients()) == 1
+    assert "forward" in vars(stage[1]) and not any("forward" in vars(m) for m in stage[0].modules())

@@ -44,7 +44,7 @@ from .mesh import build_mesh, check_world_size
 from .predictions import share_from_last
 from .replicas import StepCollectives, outer_sync, shard_dataset
 from .runner import StageRunner
-from .schedule import check_schedule_supports, fused, stage_actions
+from .schedule import fused, stage_actions
 from .stats import StageStats
 from .transport import Transport
 from .weights import push_to_hub, save_pretrained
@@ -148,7 +148,6 @@ class Pipeline(nn.Module):
         # MoE with output_router_logits: the load-balancing loss's statistics ride along with the
         # activations (forward) and its gradient with the activation gradients (backward).
         router = RouterLoss(model, self.stage) if router_spec(model) is not None else None
-        check_schedule_supports(plan.schedule, router_loss=router is not None)
         if router is not None:
             self.traffic["router"] = TrafficCounter()
         self.runner = StageRunner(self.stage, self.mesh, self.transport, self.device, plan, config=self.config,

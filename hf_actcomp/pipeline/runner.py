@@ -20,7 +20,7 @@ from ..plan import Plan
 from ..telemetry import ChannelStats, TrafficCounter
 from .link import StageLink
 from .mesh import PipelineMesh
-from .split_backward import input_gradient, weight_gradient, weights_of
+from .split_backward import WeightGradients, defer_weight_gradients, keep_weight_gradients
 from .transport import Transport
 
 ENDS = ("forward_in", "backward_out", "forward_out", "backward_in")
@@ -62,7 +62,7 @@ class StageRunner:
         self.side_counter = side_counter
         self.ends: dict[str, Boundary] = {}
         self.links: dict[str, StageLink] = {}
-        self.deferred: dict[int, list] = {}  # zbh1: what each micro-batch's `W` needs, from its `B`
+        self.weight_gradients = WeightGradients()  # zbh1: what each micro-batch's `W` needs, from its `B`
         self.use(plan)  # sets `plan`, `ends` and `links`
 
     @property
@@ -104,6 +104,9 @@ class StageRunner:
                     end.adopt_memory(old)
             ends[key] = end
         self.ends = {key: ends[key] for key in ENDS if key in ends}
+        keep_weight_gradients(self.stage)
+        if plan.schedule == "zbh1" and not self.is_first:  # the first stage's `B` is its whole backward
+            defer_weight_gradients(self.stage, self.weight_gradients)
         self.plan = plan
         self.links = self._links()
 
@@ -197,26 +200,24 @@ class StageRunner:
     def backward(self, i: int, x: torch.Tensor, out: torch.Tensor, probs: torch.Tensor | None, pair: bool,
                  split: bool = False) -> None:
         """Micro-batch `i`'s backward, sending the input's gradient upstream. `split` (a `B`
-        whose `W` comes later): only the input gradient now; the weights' at its `W`."""
+        whose `W` comes later): the linear layers' weight gradients wait for its `W`."""
+        deferring = self.weight_gradients.deferring(i) if split and not self.is_first else contextlib.nullcontext()
         router_grad = None
-        if split and not self.is_first:
-            grad = None if self.is_last else self.links["backward_in"].receive(i, out.shape)[0].to(out.dtype)
-            self.deferred[i] = input_gradient(out, grad, x, weights_of(self.stage))
-        elif self.is_last:
-            out.backward()  # `out` is this micro-batch's loss
-            router_grad = None if probs is None else probs.grad
-        else:
-            grad, router_grad = self.links["backward_in"].receive(i, out.shape)
-            if probs is not None and probs.requires_grad:
-                torch.autograd.backward([out, probs], [grad.to(out.dtype), router_grad])
+        with deferring:
+            if self.is_last:
+                out.backward()  # `out` is this micro-batch's loss
+                router_grad = None if probs is None else probs.grad
             else:
-                out.backward(grad.to(out.dtype))
+                grad, router_grad = self.links["backward_in"].receive(i, out.shape)
+                if probs is not None and probs.requires_grad:
+                    torch.autograd.backward([out, probs], [grad.to(out.dtype), router_grad])
+                else:
+                    out.backward(grad.to(out.dtype))
         if self.is_first:
             return
         self.links["backward_out"].send(i, x.grad, router_grad, with_next_recv=pair)
 
     def weight(self, i: int) -> None:
-        """Micro-batch `i`'s deferred weight gradient (`W`); the first stage ran its whole
-        backward at `B` (it has no input gradient to send first)."""
-        if i in self.deferred:
-            weight_gradient(weights_of(self.stage), self.deferred.pop(i))
+        """Micro-batch `i`'s held-back weight gradients (`W`); nothing on the first stage, which
+        ran its whole backward at `B` (it has no input gradient to send first)."""
+        self.weight_gradients.compute(i)

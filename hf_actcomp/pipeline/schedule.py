@@ -53,15 +53,6 @@ def stage_actions(schedule: str, stage: int, num_stages: int, micro_batches: int
     return [a for kind, i in order for a in ([("F", i)] if kind == "F" else [("B", i), ("W", i)])]
 
 
-def check_schedule_supports(schedule: str, *, router_loss: bool) -> None:
-    """Refuse what a schedule cannot run, before any work: zbh1 with a MoE model's load-balancing
-    loss, whose gradient rides with the input gradient that zbh1 computes apart from the weights'."""
-    if schedule == "zbh1" and router_loss:
-        raise ValueError("Plan.schedule='zbh1' does not support a MoE model's load-balancing loss "
-                         "(output_router_logits=True) yet: its gradient rides with the input gradient, which zbh1 "
-                         "computes apart from the weights'. Use schedule='1f1b', or output_router_logits=False.")
-
-
 def zero_bubble_h1(num_stages: int, micro_batches: int) -> list[list[Action]]:
     """Every stage's actions under ZB-H1, from a simulation of the step in unit time slots.
 
