@@ -119,12 +119,24 @@ def one_stage(tmp_path_factory):
     return out
 
 
-def test_h1_equals_per_step_gradient_averaging(one_stage):
+@pytest.fixture(scope="module")
+def two_d(tmp_path_factory):
+    """The 2-stage x 2-replica runs (rank = replica * 2 + stage), in one launch of 4 processes."""
+    out = tmp_path_factory.mktemp("diloco_two_d")
+    run_workers("diloco_worker.py", 4, ["two_d", str(out)], timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["1-stage", "2-stages-zbh1"])
+def test_h1_equals_per_step_gradient_averaging(request, layout):
     """H=1, outer_lr=1, no momentum, inner SGD: the same weights as averaging gradients every
-    step, and the same bytes."""
-    for rank in range(2):
-        diloco, dp_diloco = load(one_stage, "diloco", rank)
-        allreduce, dp_allreduce = load(one_stage, "allreduce", rank)
+    step, and the same bytes; on 2 stages with DiLoCo under zero-bubble H1 (its held-back weight
+    gradients in the pseudo-gradient) against averaging under 1F1B."""
+    out, world, suffix = ((request.getfixturevalue("one_stage"), 2, "") if layout == "1-stage"
+                          else (request.getfixturevalue("two_d"), 4, "-zbh1"))
+    for rank in range(world):
+        diloco, dp_diloco = load(out, "diloco" + suffix, rank)
+        allreduce, dp_allreduce = load(out, "allreduce", rank)
         for name in allreduce:
             torch.testing.assert_close(diloco[name], allreduce[name], rtol=0, atol=1e-6, msg=name)
         assert dp_diloco["bytes_sent"] == dp_allreduce["bytes_sent"] > 0
@@ -170,12 +182,11 @@ def test_synced_weights_are_the_mean_and_replicas_agree_bit_for_bit(one_stage, c
         assert info["dp"]["bytes_uncompressed"] == syncs * ring(4 * info["numel"], 2)
 
 
-def test_two_stages_two_replicas_stagger_with_aqsgd(tmp_path):
+def test_two_stages_two_replicas_stagger_with_aqsgd(two_d):
     """2 stages x 2 replicas, AQ-SGD boundaries, int8 pseudo-gradients, stagger: stage 0 syncs
     after steps 4 and 8, stage 1 after 6 and 10; each stage's replicas agree bit for bit right
     after its own syncs and differ in between; the loss falls; AQ-SGD memory is per replica."""
-    run_workers("diloco_worker.py", 4, ["two_d", str(tmp_path)], timeout=240)
-    results = [load(tmp_path, "two_d", rank) for rank in range(4)]  # rank = replica * 2 + stage
+    results = [load(two_d, "two_d", rank) for rank in range(4)]  # rank = replica * 2 + stage
     for stage, synced, unsynced in ((0, (3, 7), (5, 9)), (1, (5, 9), (3, 7))):
         (a, info), (b, _) = results[stage], results[2 + stage]
         names = [k.split(".", 1)[1] for k in a if k.startswith("step0.")]

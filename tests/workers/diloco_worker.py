@@ -52,15 +52,19 @@ def save(out_dir: str, name: str, tensors: dict, info: dict | None = None) -> No
             json.dump(info, f)
 
 
-def equivalence(out_dir: str, num_stages: str) -> None:
-    """H=1, outer_lr=1, no momentum, inner SGD: DiLoCo, then per-step averaging (`allreduce`)."""
+def equivalence(out_dir: str, num_stages: str, diloco_schedule: str = "1f1b") -> None:
+    """H=1, outer_lr=1, no momentum, inner SGD: DiLoCo (under `diloco_schedule`), then per-step
+    averaging (`allreduce`, 1F1B)."""
     stages = int(num_stages)
-    for name, dp_compression in (
-        ("diloco", {"method": "diloco", "sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}),
-        ("allreduce", "allreduce"),
+    suffix = "" if diloco_schedule == "1f1b" else f"-{diloco_schedule}"
+    for name, dp_compression, schedule in (
+        ("diloco", {"method": "diloco", "sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False},
+         diloco_schedule),
+        ("allreduce", "allreduce", "1f1b"),
     ):
         model = debug_model("llama", seed=0)
-        plan = Plan(num_stages=stages, data_parallel=2, micro_batches=stages, dp_compression=dp_compression)
+        plan = Plan(num_stages=stages, data_parallel=2, micro_batches=stages, dp_compression=dp_compression,
+                    schedule=schedule)
         pipe = hf_actcomp.prepare(model, plan, timeout=60)
         info = {}
         if name == "diloco":  # no inner optimizer attached yet: refused before any work
@@ -70,7 +74,7 @@ def equivalence(out_dir: str, num_stages: str) -> None:
                 info["unattached_error"] = str(err)
         optimizer = pipe.attach_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
         train(pipe, optimizer, 3, model.config.vocab_size)
-        save(out_dir, name, weights(pipe), {**info, **pipe.stats()["categories"].get("data_parallel")})
+        save(out_dir, name + (suffix if name == "diloco" else ""), weights(pipe), {**info, **pipe.stats()["categories"].get("data_parallel")})
 
 
 def mean(out_dir: str, num_stages: str, compression: str) -> None:
@@ -124,6 +128,7 @@ def two_d(out_dir: str) -> None:
 
     losses = train(pipe, optimizer, 10, model.config.vocab_size, on_step)
     stats = pipe.stats()["categories"]
+    equivalence(out_dir, "2", diloco_schedule="zbh1")  # the same launch: DiLoCo under zero-bubble H1
     save(out_dir, "two_d", tensors, {"dp": stats["data_parallel"], "losses": losses, "stage": pipe.stage_index,
                                      "replica": pipe.replica, "payload_nbytes": pipe.outer.codec.payload_nbytes,
                                      "sample_range": [pipe.sample_range.start, pipe.sample_range.stop]})
