@@ -22,6 +22,14 @@ def exact_schedules(case: str) -> tuple[str, ...]:
     return ("1f1b", "zbh1")
 
 
+
+def exact_runs(num_stages: int) -> list[tuple[str, str]]:
+    """(case, schedule) pairs the exactness test runs: every case and its schedules on 2 and 3
+    stages; on 4 stages (one block each), zero-bubble H1 for a tied, an untied and the MoE case."""
+    if num_stages == 4:
+        return [(case, "zbh1") for case in ("gpt2", "llama", "mixtral-aux")]
+    return [(case, schedule) for case in EXACT_CASES for schedule in exact_schedules(case)]
+
 def reference_loss(model, batch: dict, micro_batches: int) -> torch.Tensor:
     """The unsplit model's loss as a pipeline of `micro_batches` computes it: the token mean over
     the whole batch, plus, for MoE with output_router_logits, each micro-batch's load-balancing

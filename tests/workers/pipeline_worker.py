@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pipeline_cases import (  # noqa: E402
     COMPRESSED_PLANS,
     EXACT_CASES,
-    exact_schedules,
+    exact_runs,
     padded_batch,
     training_batches,
 )
@@ -38,24 +38,24 @@ def stage_grads(pipe) -> dict:
 def exact(out_dir: str, num_stages: int) -> None:
     """Identity codec: one train_step per family and schedule; save each stage's grads + loss."""
     rank = dist.get_rank()
-    for case, (family, overrides) in EXACT_CASES.items():
-        for schedule in exact_schedules(case):
-            model = debug_model(family, seed=0, **overrides)
-            plan = Plan(num_stages=num_stages, micro_batches=num_stages, schedule=schedule)
-            pipe = hf_actcomp.prepare(model, plan, timeout=60)
-            kept = {id(p) for p in pipe.stage.parameters()}
-            assert all(p.numel() == 0 for p in model.parameters() if id(p) not in kept), "other stages not freed"
-            out = pipe.train_step(padded_batch(model.config.vocab_size))
-            tensors = stage_grads(pipe)
-            tensors["loss"] = out.loss.reshape(1)
-            before = pipe.stats()["categories"]
-            tensors["eval_loss"] = pipe.eval_step(padded_batch(model.config.vocab_size)).loss.reshape(1)
-            after = pipe.stats()["categories"]
-            for category in ("evaluation", "router"):  # what eval_step sent, by category
-                sent = [c.get(category, {}).get("bytes_sent", 0) for c in (before, after)]
-                tensors[f"eval_step_{category}_bytes"] = torch.tensor([sent[1] - sent[0]])
-            save_file({k: v.contiguous() for k, v in tensors.items()},
-                      os.path.join(out_dir, f"{case}-{schedule}-rank{rank}.safetensors"))
+    for case, schedule in exact_runs(num_stages):
+        family, overrides = EXACT_CASES[case]
+        model = debug_model(family, seed=0, **overrides)
+        plan = Plan(num_stages=num_stages, micro_batches=num_stages, schedule=schedule)
+        pipe = hf_actcomp.prepare(model, plan, timeout=60)
+        kept = {id(p) for p in pipe.stage.parameters()}
+        assert all(p.numel() == 0 for p in model.parameters() if id(p) not in kept), "other stages not freed"
+        out = pipe.train_step(padded_batch(model.config.vocab_size))
+        tensors = stage_grads(pipe)
+        tensors["loss"] = out.loss.reshape(1)
+        before = pipe.stats()["categories"]
+        tensors["eval_loss"] = pipe.eval_step(padded_batch(model.config.vocab_size)).loss.reshape(1)
+        after = pipe.stats()["categories"]
+        for category in ("evaluation", "router"):  # what eval_step sent, by category
+            sent = [c.get(category, {}).get("bytes_sent", 0) for c in (before, after)]
+            tensors[f"eval_step_{category}_bytes"] = torch.tensor([sent[1] - sent[0]])
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  os.path.join(out_dir, f"{case}-{schedule}-rank{rank}.safetensors"))
 
 
 def accumulate(out_dir: str, family: str) -> None:
