@@ -84,7 +84,10 @@ def reached(curve: list[dict], target: float, tolerance: float) -> dict | None:
 def summarize(rows: list[dict], args) -> tuple[float, list[dict]]:
     """The target, and per method: seconds to reach it per round (median and range), the speed-up
     over torch.distributed.pipelining (ratio of the medians, with its range), and the final loss."""
-    target = median([r["final_eval_loss"] for r in rows if r["method"] == BASE])
+    base = [r["final_eval_loss"] for r in rows if r["method"] == BASE]
+    if not base and getattr(args, "stop_at_target", None) is None:
+        raise ValueError(f"the target is {BASE!r}'s final eval loss: run it, or give --stop_at_target")
+    target = median(base) if base else args.stop_at_target  # without BASE: the earlier run's target
     for r in rows:
         point = reached(r["curve"], target, args.tolerance)
         r["seconds_to_target"] = point and point["seconds"]
@@ -115,8 +118,10 @@ def summarize(rows: list[dict], args) -> tuple[float, list[dict]]:
 
 
 def reference(rows: list[dict]) -> str:
-    """What speed-ups are over: torch.distributed.pipelining where it ran, else ours uncompressed."""
-    return PEER if any(r["method"] == PEER for r in rows) else BASE
+    """What speed-ups are over: torch.distributed.pipelining where it ran, else ours uncompressed,
+    else the first method run (e.g. 1F1B beside the same codecs under zbh1)."""
+    methods = [r["method"] for r in rows]
+    return next((m for m in (PEER, BASE) if m in methods), methods[0])
 
 
 def fixed(summary: list[dict]) -> list[dict]:
@@ -278,10 +283,13 @@ def write(rows: list[dict], meta: dict) -> None:
     lines = [
         f"Fine-tuning the pre-trained GPT-2-style model of benchmarks/finetune_quality.py (4 layers, hidden 128, "
         f"vocab {meta['vocab']}, tied embeddings) on {meta['train_blocks']} blocks of {args.seq_len} tokens of stdlib "
-        f"source, batch {args.batch_size} in {args.micro_batches} micro-batches, 1F1B, AdamW lr {args.lr}, seed "
+        f"source, batch {args.batch_size} in {args.micro_batches} micro-batches, 1F1B (zero-bubble H1 where the "
+        f"method says zbh1), AdamW lr {args.lr}, seed "
         f"{args.seed}; {stages} processes (1 CPU thread each{split}) on the link **{meta['link']}**. Target: ours-uncompressed's "
-        f"eval loss after {args.epochs} epochs, {target:.4f} (median of {args.repeats} rounds; {meta['eval_blocks']} "
-        f"held-out blocks, plain inference); a run reaches it at its first evaluation (every {args.eval_every} steps) "
+        f"eval loss after {args.epochs} epochs, {target:.4f} ("
+        + (f"median of {args.repeats} rounds" if any(r["method"] == BASE for r in rows) else
+           "from an earlier run, given as --stop_at_target; not run again here")
+        + f"; {meta['eval_blocks']} held-out blocks, plain inference); a run reaches it at its first evaluation (every {args.eval_every} steps) "
         f"at most {100 * args.tolerance:.2f}% above it. Seconds count training only (the clock stops for "
         f"evaluations), from the first step: AQ-SGD's first epoch is inside (uncompressed first visits, or the "
         f"warm-up codec where named), and so is auto's probe (its links and compute measured at the first step). Uncompressed methods run {args.epochs} epochs, compressed ones up to "

@@ -58,6 +58,9 @@ METHODS: dict[str, tuple | None] = {
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q8": (warm(2), q(4), q(8)),
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4": (warm(2), q(4), q(4)),
     "ours, Hadamard fw4/bw8, tie q8": (h(4), h(8), q(8)),
+    # The same codecs under zero-bubble H1 instead of 1F1B (a name ending in ZBH1).
+    "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" + (ZBH1 := ", zbh1"): (warm(2), q(4), q(4)),
+    "ours, AQ-SGD fw4/bw8, warm-up h4, tie q8" + ZBH1: (warm(4), q(8), q(8)),
     AUTO: None,  # Plan.auto(quality="safe", aqsgd=True): chosen per boundary direction, and the tie's codec
 }
 SPLIT_POINTS = {2: [2], 3: [1, 3]}  # of the 4 blocks
@@ -155,7 +158,7 @@ def run(name: str, data, args) -> dict:
         params, state = module.parameters(), module.state_dict
     else:
         common = dict(num_stages=args.stages, micro_batches=args.micro_batches, split_points=SPLIT_POINTS[args.stages],
-                      schedule="1f1b", memory=MemoryConfig(num_samples=len(Rows(train)), store="host", dtype="fp16"))
+                      schedule="zbh1" if name.endswith(ZBH1) else "1f1b", memory=MemoryConfig(num_samples=len(Rows(train)), store="host", dtype="fp16"))
         if name == AUTO:  # the tie's codec left unset: auto chooses it
             plan = Plan.auto(quality="safe", aqsgd=True, **common)
         else:
