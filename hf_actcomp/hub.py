@@ -26,13 +26,29 @@ from huggingface_hub import constants as hub_constants
 
 from .auto import bandwidth_text
 from .codecs import CODECS
+from .curves import CURVES_NAME, plot_curves
 from .dp.base import HOOKS
 from .plan import CONFIG_NAME, Compression, Plan
+from .run_results import RESULTS_NAME, load_results, save_results
+
+__all__ = [
+    "CARD_NAME",
+    "CURVES_NAME",
+    "RESULTS_NAME",
+    "TEMPLATE_NAME",
+    "hub_constants",
+    "load_results",
+    "model_card",
+    "plan_compressions",
+    "plot_curves",
+    "push_to_hub",
+    "save_results",
+    "save_run",
+    "write_model_card",
+]
 
 logger = logging.getLogger(__name__)
 
-RESULTS_NAME = "actcomp_results.json"
-CURVES_NAME = "training_curves.png"
 CARD_NAME = "README.md"
 TEMPLATE_NAME = "actcomp_model_card.md"
 
@@ -97,26 +113,6 @@ _CITATIONS = {
 }
 
 
-# ----------------------------------------------------------------------------- results
-def save_results(directory: str | os.PathLike, *, stats: dict | None = None, metrics: dict | None = None,
-                 log_history: list[dict] | None = None, **extra: Any) -> str:
-    """Write what a run measured to `actcomp_results.json` (the card and the CLI read it)."""
-    os.makedirs(directory, exist_ok=True)
-    results = {"stats": stats or {}, "metrics": metrics or {}, "log_history": log_history or [], **extra}
-    path = os.path.join(directory, RESULTS_NAME)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2, default=float)
-    return path
-
-
-def load_results(directory: str | os.PathLike) -> dict:
-    path = os.path.join(directory, RESULTS_NAME)
-    if not os.path.isfile(path):
-        return {"stats": {}, "metrics": {}, "log_history": []}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 # ----------------------------------------------------------------------------- the card
 def model_card(directory: str | os.PathLike, *, repo_id: str | None = None, base_model: str | None = None,
                datasets: str | list[str] | None = None) -> ModelCard:
@@ -174,51 +170,6 @@ def save_run(directory: str | os.PathLike, *, stats: dict | None = None, metrics
     if log_history:
         plot_curves(directory, log_history)
     write_model_card(directory)
-
-
-# ----------------------------------------------------------------------------- curves
-def plot_curves(directory: str | os.PathLike, log_history: list[dict]) -> str | None:
-    """`training_curves.png`: training loss, eval loss (with and without the codec) and bytes
-    per optimizer step of each boundary direction, against the step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]
-    evals = [(h["step"], h.get("eval_loss"), h.get("eval_plain_loss")) for h in log_history
-             if "eval_loss" in h and "step" in h]
-    channels = sorted({k[len("comm/"):-len("/bytes_sent")] for h in log_history for k in h
-                       if k.startswith("comm/boundary") and k.endswith("/bytes_sent")})
-    if not train and not evals:
-        return None
-    fig, axes = plt.subplots(1, 2 if channels else 1, figsize=(11 if channels else 6, 4), squeeze=False)
-    ax = axes[0][0]
-    if train:
-        ax.plot(*zip(*train, strict=True), label="training loss")
-    if evals:
-        steps = [s for s, _, _ in evals]
-        ax.plot(steps, [e for _, e, _ in evals], "o-", label="eval loss (codec at inference)")
-        if any(p is not None for _, _, p in evals):
-            ax.plot(steps, [p for _, _, p in evals], "s--", label="eval loss (no codec)")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    if channels:
-        ax = axes[0][1]
-        for name in channels:
-            points = [(0, 0)] + [(h["step"], h[f"comm/{name}/bytes_sent"]) for h in log_history
-                      if f"comm/{name}/bytes_sent" in h and "step" in h]
-            per_step = [((b - pb) / (s - ps)) for (ps, pb), (s, b) in zip(points, points[1:], strict=False) if s > ps]
-            ax.plot([s for (ps, _), (s, _) in zip(points, points[1:], strict=False) if s > ps], per_step, label=name)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("bytes per step")
-        ax.legend()
-    fig.tight_layout()
-    path = os.path.join(directory, CURVES_NAME)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 # ----------------------------------------------------------------------------- push
