@@ -12,6 +12,7 @@ from trainer_cases import lora_model, pad_collator, ragged_dataset, training_arg
 
 import hf_actcomp
 from hf_actcomp import ActCompTrainer, Compression, Plan, hub
+from hf_actcomp.card import _is_repo_id
 from hf_actcomp.debug import debug_model
 
 AQSGD = Plan(num_stages=2, forward=Compression("aqsgd", bits=4), backward=Compression("quantize", bits=8))
@@ -78,8 +79,8 @@ def test_adapter_card(tmp_path):
 
 
 def test_base_model_only_when_it_names_a_hub_model(tmp_path):
-    assert hub._is_repo_id("gpt2") and hub._is_repo_id("meta-llama/Llama-3.2-1B")
-    assert not hub._is_repo_id("") and not hub._is_repo_id(str(tmp_path)) and not hub._is_repo_id("a/b/c")
+    assert _is_repo_id("gpt2") and _is_repo_id("meta-llama/Llama-3.2-1B")
+    assert not _is_repo_id("") and not _is_repo_id(str(tmp_path)) and not _is_repo_id("a/b/c")
 
 
 def test_card_of_a_compressed_warm_up(tmp_path):
