@@ -27,11 +27,13 @@ CODEC_PARAMS = [
     ("hadamard", dict(bits=3)),
     ("hadamard", dict(bits=4, rounding="stochastic", group_size=32)),
     ("hadamard", dict(bits=8, group_size=7)),
+    ("topk_quantize", dict(ratio=0.1)),
+    ("topk_quantize", dict(ratio=0.3, bits=5, group_size=7, value_dtype="bf16")),
 ]
 
 
 def test_registry_lists_all_codecs():
-    assert available_codecs() == ["bf16", "fp16", "hadamard", "none", "quantize", "randk", "topk"]
+    assert available_codecs() == ["bf16", "fp16", "hadamard", "none", "quantize", "randk", "topk", "topk_quantize"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -172,7 +174,7 @@ def test_randk_sides_agree_through_shared_seed():
 @pytest.mark.parametrize(
     "name, params, message",
     [
-        ("zip", {}, "Unknown codec 'zip'. Available codecs: bf16, fp16, hadamard, none, quantize, randk, topk"),
+        ("zip", {}, "Unknown codec 'zip'. Available codecs: bf16, fp16, hadamard, none, quantize, randk, topk, topk_quantize"),
         ("hadamard", dict(bits=0), "hadamard bits=0 is outside the allowed range 1..8"),
         ("hadamard", dict(bits=4, boost_fraction=0.5), r"boost_fraction=0.5 is outside the allowed range \[0, 0.5\)"),
         ("hadamard", dict(bits=4, rounding="up"), "rounding='up' is not valid"),
@@ -180,6 +182,7 @@ def test_randk_sides_agree_through_shared_seed():
         ("quantize", dict(bits=4, rounding="up"), "rounding='up' is not valid. Allowed values: deterministic, stochastic"),
         ("quantize", dict(bits=4, granularity="row"), "Allowed values: group, channel"),
         ("topk", dict(ratio=0), r"ratio=0 is outside the allowed range \(0, 1\]"),
+        ("topk_quantize", dict(ratio=0.02, bits=9), "topk_quantize bits=9 is outside the allowed range 1..8"),
         ("randk", dict(ratio=0.1, value_dtype="int8"), "Allowed values: fp16, bf16, fp32"),
         ("none", dict(bits=4), r"Codec 'none' does not take \['bits'\]"),
     ],

@@ -15,6 +15,7 @@ from .cast import Bf16Codec, Fp16Codec, NoneCodec
 from .hadamard import HadamardCodec
 from .quantize import QuantizeCodec
 from .sparsify import RandKCodec, TopKCodec
+from .topk_quantize import TopKQuantizeCodec
 
 CODECS: dict[str, type[Codec]] = {}
 # `Compression(method="aqsgd")` wraps a codec (its `inner`); it cannot name one.
@@ -72,7 +73,8 @@ def make_codec(name: str, **params) -> Codec:
     return cls(**params)
 
 
-for _cls in (NoneCodec, Fp16Codec, Bf16Codec, QuantizeCodec, TopKCodec, RandKCodec, HadamardCodec):
+for _cls in (NoneCodec, Fp16Codec, Bf16Codec, QuantizeCodec, TopKCodec, RandKCodec, HadamardCodec,
+             TopKQuantizeCodec):
     register_codec(_cls)
 
 __all__ = [
@@ -91,6 +93,7 @@ __all__ = [
     "QuantizeCodec",
     "RandKCodec",
     "TopKCodec",
+    "TopKQuantizeCodec",
     "available_codecs",
     "get_codec_class",
     "make_codec",

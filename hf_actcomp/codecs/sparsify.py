@@ -32,7 +32,7 @@ def _values_to_bytes(values: torch.Tensor, value_dtype: str) -> torch.Tensor:
     return as_bytes(values.to(VALUE_DTYPES[value_dtype]))
 
 
-def _pack_indices(indices: torch.Tensor, width: int) -> torch.Tensor:
+def pack_indices(indices: torch.Tensor, width: int) -> torch.Tensor:
     """Little-endian `width`-byte indices: the low bytes of an int32 (or int64) view."""
     wide = torch.int32 if width <= 4 else torch.int64
     raw = indices.to(wide).contiguous().view(torch.uint8).view(-1, wide.itemsize)
@@ -41,7 +41,8 @@ def _pack_indices(indices: torch.Tensor, width: int) -> torch.Tensor:
     return raw[:, :width].reshape(-1)
 
 
-def _unpack_indices(data: torch.Tensor, width: int) -> torch.Tensor:
+def unpack_indices(data: torch.Tensor, width: int) -> torch.Tensor:
+    """The int64 indices that `pack_indices` wrote at `width` bytes each."""
     wide = torch.int32 if width <= 4 else torch.int64
     raw = torch.zeros(data.numel() // width, wide.itemsize, dtype=torch.uint8, device=data.device)
     raw[:, :width] = data.view(-1, width)
@@ -116,14 +117,14 @@ class TopKCodec(Codec):
             return torch.empty(0, dtype=torch.uint8, device=x.device)
         flat = x.detach().reshape(-1)
         indices = self.select(flat, k)
-        return torch.cat([_values_to_bytes(flat[indices], self.value_dtype), _pack_indices(indices, index_width(n))])
+        return torch.cat([_values_to_bytes(flat[indices], self.value_dtype), pack_indices(indices, index_width(n))])
 
     def decode(self, payload, shape, dtype):
         n = numel(shape)
         k = keep_count(self.ratio, n)
         vdtype = VALUE_DTYPES[self.value_dtype]
         values = from_bytes(payload, vdtype, k)
-        indices = _unpack_indices(payload[k * vdtype.itemsize :], index_width(n)) if k else payload.new_zeros(0, dtype=torch.int64)
+        indices = unpack_indices(payload[k * vdtype.itemsize :], index_width(n)) if k else payload.new_zeros(0, dtype=torch.int64)
         return _scatter(values, indices, shape, dtype)
 
     def state_dict(self):

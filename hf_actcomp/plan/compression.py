@@ -44,21 +44,26 @@ class Compression:
     """How one direction (forward activations or backward gradients) of every boundary is compressed.
 
     Args:
-        method: codec name (`none`, `fp16`, `bf16`, `quantize`, `topk`, `randk`, `hadamard`, or one
-            registered with `hf_actcomp.register_codec`) or `aqsgd` (delta against a per-sample
-            memory, forward direction only). `hadamard`
+        method: codec name (`none`, `fp16`, `bf16`, `quantize`, `topk`, `randk`, `hadamard`,
+            `topk_quantize`, or one registered with `hf_actcomp.register_codec`) or `aqsgd` (delta
+            against a per-sample memory, forward direction only). `hadamard`
             rotates each token by a random-sign Hadamard matrix before tile-wise quantization with
             per-tile widths: stateless, for data sets too large for AQ-SGD's memory.
-        bits: bit width 1..8 for `quantize`, `hadamard` (average) and for `aqsgd` with `inner="quantize"`.
+            `topk_quantize` keeps the top `ratio` of each chunk of `group_size` elements at `bits`
+            bits (SparseLoCo's pseudo-gradient codec for DiLoCo).
+        bits: bit width 1..8 for `quantize`, `hadamard` (average), `topk_quantize` (per kept value,
+            default 2) and for `aqsgd` with `inner="quantize"`.
             Each codec declares the fields it takes and their checks (`Codec.params`); the fields
             a codec does not take are ignored, except that a choice field must hold a value some
             registered codec accepts.
-        ratio: fraction of elements kept, in (0, 1], for `topk`, `randk` and `aqsgd` with `inner="topk"`.
+        ratio: fraction of elements kept, in (0, 1], for `topk`, `randk`, `topk_quantize` (per chunk)
+            and `aqsgd` with `inner="topk"`.
         granularity: `group` (one scale per `group_size` elements) or `channel` (one scale per
             hidden channel, as in the AQ-SGD reference code).
-        group_size: elements per scale when `granularity="group"` (`hadamard`: per tile).
+        group_size: elements per scale when `granularity="group"` (`hadamard`: per tile;
+            `topk_quantize`: per chunk).
         rounding: `deterministic` or `stochastic` (unbiased) rounding for quantization.
-        value_dtype: dtype of the values a sparsifier sends.
+        value_dtype: dtype of the values a sparsifier sends (`topk_quantize`: of its chunk scales).
         feedback: `none`, `ef` (error feedback) or `ef21`; not combinable with `aqsgd`.
         inner: the codec AQ-SGD applies to deltas: `quantize` or `topk`.
         first_visit: what AQ-SGD sends the first time a sample is seen: `full` (uncompressed, as

@@ -28,7 +28,8 @@ class DiLoCoConfig:
         nesterov: Nesterov momentum (needs outer_momentum > 0).
         compression: codec of the pseudo-gradient, with error feedback: a stateless
             `Compression` or its dict, e.g. `{"method": "quantize", "bits": 8}` or
-            `{"method": "hadamard", "bits": 4}`. None: fp32, exact.
+            `{"method": "hadamard", "bits": 4}`, or SparseLoCo's top 2% of each chunk at 2 bits,
+            `{"method": "topk_quantize", "ratio": 0.02, "bits": 2}`. None: fp32, exact.
         stagger: offset stage s's syncs by s * sync_every / num_stages steps, so that the stages'
             bursts do not share the link at the same moment.
         min_replicas: replicas an outer step needs; with fewer than `data_parallel`, the others
