@@ -143,7 +143,7 @@ def test_h1_equals_per_step_gradient_averaging(request, layout):
         assert "call pipe.attach_optimizer(optimizer) once before training" in dp_diloco["unattached_error"]
 
 
-@pytest.mark.parametrize("compression", ["none", "quantize8", "hadamard4"])
+@pytest.mark.parametrize("compression", ["none", "quantize8", "hadamard4", "topk_quantize2"])
 def test_synced_weights_are_the_mean_and_replicas_agree_bit_for_bit(one_stage, compression):
     """H=4, outer_lr=1, no momentum: after each sync every replica holds the last synced weights
     minus the mean of the replicas' pseudo-gradients as their payloads decode (without a codec:

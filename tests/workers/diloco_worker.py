@@ -82,7 +82,8 @@ def mean(out_dir: str, num_stages: str, compression: str) -> None:
     optimizer hook that runs before DiLoCo's) and after it."""
     stages = int(num_stages)
     codec = {"none": None, "quantize8": {"method": "quantize", "bits": 8},
-             "hadamard4": {"method": "hadamard", "bits": 4}}[compression]
+             "hadamard4": {"method": "hadamard", "bits": 4},
+             "topk_quantize2": {"method": "topk_quantize", "ratio": 0.02, "bits": 2}}[compression]
     model = debug_model("gpt2", seed=0)
     plan = Plan(num_stages=stages, data_parallel=2, micro_batches=stages,
                 dp_compression={"method": "diloco", "sync_every": 4, "outer_lr": 1.0, "outer_momentum": 0.0,
@@ -172,7 +173,7 @@ def fault(out_dir: str, stop_file: str, min_steps: str, max_steps: str) -> None:
 def one_stage(out_dir: str) -> None:
     """Every 1-stage x 2-replica scenario in one launch (a launch costs seconds per process)."""
     equivalence(out_dir, "1")
-    for compression in ("none", "quantize8", "hadamard4"):
+    for compression in ("none", "quantize8", "hadamard4", "topk_quantize2"):
         mean(out_dir, "1", compression)
 
 
