@@ -42,6 +42,9 @@ def test_diloco_payload_of_one_million_parameters():
     assert payload_nbytes(Compression("topk_quantize", ratio=0.02, bits=2), n) == 47104
     assert payload_nbytes(Compression("quantize", bits=8), n) == n + 4 * 8192
     assert payload_nbytes(Compression("hadamard", bits=4), n) == 8192 // 4 + 4 * 8192 + n // 2
+    # chunks of 4096 keep 82 (81.92) with 2-byte indices; fp32 scales cost 2 bytes more per chunk
+    assert payload_nbytes(Compression("topk_quantize", ratio=0.02, group_size=4096), n) == 256 * 2 + 20992 * 2 + 5248
+    assert payload_nbytes(Compression("topk_quantize", ratio=0.02, value_dtype="fp32"), n) == 63488
     # 300 elements are padded to 3 rows of 128, one chunk each: 3 scales, 9 indices, 9 codes
     codec = PseudoGradientCodec(Compression("topk_quantize", ratio=0.02), 300, torch.device("cpu"))
     assert codec.payload_nbytes == 3 * 2 + 9 + 4
