@@ -48,7 +48,7 @@ class WeightGradients:
 
     def compute(self, micro_batch: int) -> None:
         """Accumulate `micro_batch`'s held-back weight (and bias) gradients into `p.grad`."""
-        for work in reversed(self.pending.pop(micro_batch, ())):
+        for work in self.pending.pop(micro_batch, ()):
             work()
 
 
