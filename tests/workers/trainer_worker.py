@@ -13,6 +13,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 import hf_actcomp
@@ -93,6 +94,10 @@ def run_all(spec: dict, out_dir: str) -> None:
         os.makedirs(out, exist_ok=True)
         AcceleratorState._reset_state()  # each run's TrainingArguments choose their own mixed precision
         main(run, out)
+    # As `trainer.end()` ends a script: a gloo group left to interpreter shutdown can abort the
+    # process after all its work (exit -6, "terminate called without an active exception").
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
