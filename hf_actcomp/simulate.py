@@ -29,9 +29,9 @@ from .models import get_adapter
 from .models.compile import compile_blocks, compile_options
 from .models.router import RouterLoss, router_spec
 from .models.split import stage_ranges
+from .pipeline.tie import TieCompressor, exact_rows_nbytes
 from .plan import Plan
 from .telemetry import TrafficCounter, summarize
-from .tie import TieCompressor, exact_rows_nbytes
 
 # Keyword arguments that HF training loops pass and that do not change the computation here.
 _IGNORED_KWARGS = frozenset({"return_dict", "use_cache", "output_attentions", "output_hidden_states"})

@@ -10,8 +10,8 @@ from torch import nn
 import hf_actcomp
 from hf_actcomp import Compression, Plan
 from hf_actcomp.debug import debug_model
-from hf_actcomp.pipeline.gradsync import TiedEmbedding
 from hf_actcomp.pipeline.mesh import PipelineMesh
+from hf_actcomp.pipeline.tie import TiedEmbedding
 from hf_actcomp.telemetry import TrafficCounter
 
 VOCAB, HIDDEN = 97, 64

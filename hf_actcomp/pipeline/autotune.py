@@ -21,9 +21,9 @@ from ..auto import plan_boundaries, tie_compression
 from ..batching import MicroBatch
 from ..plan import Plan
 from ..telemetry import TrafficCounter
-from .gradsync import TiedEmbedding
 from .probe import agree, measure_links, timed_median
 from .runner import StageRunner
+from .tie import TiedEmbedding
 
 logger = logging.getLogger("hf_actcomp.pipeline.engine")  # the logger docs/auto.md names for switches
 

@@ -37,7 +37,7 @@ from .autotune import AutoTuner
 from .checkpointing import StageWeights, free_other_parameters
 from .executor import run_actions
 from .generate import SplitGenerator
-from .gradsync import GradientSync, check_tied_embeddings, stage_tie
+from .gradsync import GradientSync
 from .link import naming_the_step
 from .loading import load_stage_model
 from .mesh import build_mesh, check_world_size
@@ -46,6 +46,7 @@ from .replicas import StepCollectives, outer_sync, shard_dataset
 from .runner import StageRunner
 from .schedule import fused, stage_actions
 from .stats import StageStats
+from .tie import check_tied_embeddings, stage_tie
 from .transport import Transport
 from .weights import push_to_hub, save_pretrained
 

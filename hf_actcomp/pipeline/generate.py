@@ -17,9 +17,9 @@ from torch import nn
 from ..generation import CachedStage, generation_pieces, next_tokens, positions_from_mask
 from ..models import get_adapter
 from ..telemetry import TrafficCounter
-from .gradsync import TiedEmbedding
 from .link import NEXT_TOKENS_TAG, StageLink, naming_the_step
 from .mesh import PipelineMesh
+from .tie import TiedEmbedding
 from .transport import Transport
 
 
