@@ -4,6 +4,7 @@ Kept apart from the training step because it shares only the wire with it: the b
 stateless inference codecs, the links' message format, the transport and the tie. After the
 prompt, one token's hidden state per row crosses each boundary; the last stage picks the next
 tokens (transformers' logits processors and stopping criteria) and sends them to every stage.
+`SplitGenerationMixin` gives `Pipeline` its `generate`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,18 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..generation import CachedStage, generation_pieces, next_tokens, positions_from_mask
-from ..models import get_adapter
+from ..generation import (
+    CachedStage,
+    check_split_generation,
+    generation_pieces,
+    next_tokens,
+    positions_from_mask,
+)
+from ..models import get_adapter, unwrap_peft
 from ..telemetry import TrafficCounter
 from .link import NEXT_TOKENS_TAG, StageLink, naming_the_step
 from .mesh import PipelineMesh
+from .stats import StageStats
 from .tie import TiedEmbedding
 from .transport import Transport
 
@@ -139,3 +147,41 @@ class SplitGenerator:
             with torch.no_grad():
                 tie.param.index_copy_(0, message[: message.numel() // 2], rows)
         return message
+
+
+class SplitGenerationMixin:
+    """`Pipeline.generate` (it sets these attributes)."""
+
+    model: nn.Module
+    generator: SplitGenerator
+    links: dict[str, StageLink]
+    counters: StageStats
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 generation_config=None, **kwargs) -> torch.Tensor:
+        """Generate text with the model still split (call on every rank of the pipeline, with the
+        same prompts, as `train_step`); every rank returns the same ids (prompt + new tokens).
+
+        Each stage keeps the KV cache of its own layers; after the prompt, one token's hidden
+        state per row crosses each boundary, through the plan's inference codec, counted under
+        `inference`. The last stage picks the next tokens with transformers' logits processors
+        and stopping criteria (`max_new_tokens`, `eos_token_id`, `pad_token_id`, `do_sample`,
+        `temperature`, `top_k`, `top_p`, ...) and sends them to the others. Left padding and
+        batched prompts of different lengths work as in `model.generate`.
+
+        Greedy decoding and multinomial sampling only, one sequence per prompt: any other mode of
+        `model.generate` (`num_beams` > 1, `num_return_sequences` > 1, contrastive search,
+        `assistant_model`, constraints, ...), whether from the arguments or from
+        `model.generation_config`, raises a ValueError naming it before any work, on every rank
+        alike (`hf_actcomp.generation.check_generation_mode`; see docs/generation.md).
+        """
+        model = unwrap_peft(self.model)
+        check_split_generation(model, generation_config, **kwargs)  # before any work or message
+        was_training = model.training
+        model.eval()
+        try:
+            return self.generator.generate(model, self.links, self.counters.steps, input_ids, attention_mask,
+                                           generation_config, **kwargs)
+        finally:
+            model.train(was_training)

@@ -3,7 +3,7 @@ stage's replicas and from the last stage to the whole pipeline; and each replica
 
 Kept together because they decide what one replica's loss means in the global batch: each
 replica divides its token sum by the global count over D, so that averaging the replicas'
-gradients gives the global batch's.
+gradients gives the global batch's. `ReplicasMixin` gives `Pipeline` its methods about replicas.
 """
 
 from __future__ import annotations
@@ -57,6 +57,15 @@ class StepCollectives:
         if micro_batches > 1:
             return torch.tensor(num_tokens, device=self.device)
         return None
+
+    def eval_normaliser(self, num_tokens: int, num_items_in_batch, micro_batches: int) -> torch.Tensor | None:
+        """Evaluation's divisor (on the last stage; None = the mean): every replica evaluates the
+        whole batch, so a given `num_items_in_batch` is not shared out over the replicas."""
+        if not self.mesh.is_last:
+            return None
+        if num_items_in_batch is None:
+            return self.loss_normaliser(num_tokens, None, micro_batches)
+        return torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=self.device)
 
     def count_over_replicas(self, count: int) -> int:
         """The sum of `count` over this stage's replicas. Collective over the data-parallel group."""
@@ -114,3 +123,40 @@ def outer_sync(plan: Plan, trainable, mesh: PipelineMesh, timeout: float) -> tup
     sync = OuterSync(plan.diloco, trainable, stage=mesh.stage, num_stages=mesh.num_stages, replica=mesh.replica,
                      num_replicas=mesh.num_replicas, lighthouse=addresses[mesh.stage], host=host, timeout=timeout)
     return sync, servers
+
+
+class ReplicasMixin:
+    """`Pipeline`'s methods about its replicas (it sets these attributes)."""
+
+    mesh: PipelineMesh
+    collectives: StepCollectives
+    outer: OuterSync | None
+
+    @property
+    def replica(self) -> int:
+        """This rank's pipeline replica (0..data_parallel-1): shard the data by it."""
+        return self.mesh.replica
+
+    @property
+    def num_replicas(self) -> int:
+        return self.mesh.num_replicas
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Tell the pipeline which optimizer steps this stage (needed with DiLoCo, whose outer step
+        runs after every `sync_every` of its steps; a no-op for every other plan). Call once, after
+        building the optimizer and before the first `train_step`. Returns `optimizer`."""
+        if self.outer is not None:
+            self.outer.attach(optimizer)
+        return optimizer
+
+    def count_over_replicas(self, count: int) -> int:
+        """The sum of `count` over this stage's replicas (e.g. label tokens of an optimizer step,
+        for `num_items_in_batch`). Collective over the data-parallel group."""
+        return self.collectives.count_over_replicas(count)
+
+    def shard_dataset(self, dataset):
+        """This replica's shard of a `datasets.Dataset`: contiguous, and of the SAME length on every
+        replica (the last `len % data_parallel` rows are dropped), so that replicas run the same
+        number of steps and none waits forever at a collective. With AQ-SGD, add sample ids to the
+        whole data set first: the replica keeps memory for its shard's ids only (`sample_range`)."""
+        return shard_dataset(dataset, self.num_replicas, self.replica)

@@ -2,6 +2,7 @@
 
 The step only adds to counters and clocks; reading, merging over the pipeline's ranks and
 resetting them lives here, so that `stats()` can grow without touching the step.
+`TelemetryMixin` gives `Pipeline` its telemetry methods.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import torch.distributed as dist
 
 from ..boundary import Boundary
 from ..telemetry import ChannelStats, TrafficCounter, summarize
+from .autotune import AutoTuner
 from .gradsync import GradientSync
 from .mesh import PipelineMesh
+from .runner import StageRunner
 from .transport import Transport
 
 
@@ -96,3 +99,40 @@ class StageStats:
             self.outer.reset_stats()
         self.seconds_step = self.seconds_collectives = 0.0
         self.steps = 0
+
+
+class TelemetryMixin:
+    """`Pipeline`'s telemetry methods (it sets these attributes)."""
+
+    counters: StageStats
+    runner: StageRunner
+    autotuner: AutoTuner | None
+
+    def stats(self, gather: bool = False) -> dict:
+        """What THIS rank sent between ranks, by category (`categories`: activations, activation
+        gradients, tied-embedding rows, loss/token-count collectives, data-parallel hook), per
+        boundary direction (`channels`), the ratio over all of it, relative errors, and this
+        stage's seconds computing vs waiting on communication.
+
+        With `gather=True` (collective: call on every rank of the pipeline) the counters of all
+        its ranks are merged.
+        """
+        auto = self.autotuner.summary() if self.autotuner is not None else None
+        return self.counters.summary(self._local_counters(), gather, auto)
+
+    def _local_counters(self) -> dict:
+        probing = self.autotuner.seconds if self.autotuner is not None else None
+        return self.counters.local(self.runner.sending_channels(), probing)
+
+    def reset_stats(self) -> None:
+        """Every counter and timer back to zero, in place (whoever counts into one keeps it)."""
+        self.counters.reset(self.runner.boundaries.values())
+
+    @property
+    def auto_switches(self) -> list[dict]:
+        """Plan.auto's codec switches so far (empty for any other plan)."""
+        return self.autotuner.switches if self.autotuner is not None else []
+
+    @property
+    def seconds_probing(self) -> float:
+        return self.autotuner.seconds if self.autotuner is not None else 0.0

@@ -2,6 +2,7 @@
 
 `StageWeights` (checkpointing.py) writes and reads each stage's tensors; this adds what makes the
 folder a release: the plan, the measured traffic and the model card (rank 0), and the upload.
+`WeightsMixin` gives `Pipeline` these as methods, so that engine.py keeps the steps.
 """
 
 from __future__ import annotations
@@ -60,3 +61,42 @@ def push_to_hub(save: Callable[[str], None], weights: StageWeights, repo_id: str
     finally:
         if save_directory is None and mesh.rank == mesh.ranks[0]:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+class WeightsMixin:
+    """`Pipeline`'s methods that save and load its weights (it sets these attributes)."""
+
+    weights: StageWeights
+    model: nn.Module
+    plan: Plan
+    ranges: list[range]
+
+    def save_pretrained(self, save_directory: str | os.PathLike, model: nn.Module | None = None,
+                        results: dict | None = None, **kwargs) -> None:
+        """Write ONE Transformers checkpoint: each stage's rank writes its own safetensors shard
+        (no weights cross between ranks), rank 0 the index, config, `actcomp_config.json` and the
+        model card. Collective: call on every rank.
+
+        `model` defaults to the model passed to `prepare` (its config and class are used on rank 0). For a
+        `peft.PeftModel` only the adapter is gathered and written (`adapter_model.safetensors`),
+        which `PeftModel.from_pretrained(base, dir)` loads. `results` (eval metrics, log history,
+        ...) join the measured traffic in `actcomp_results.json` and the model card.
+        """
+        stats = self.stats(gather=True)  # collective: every rank, before rank 0 writes
+        save_pretrained(self.weights, save_directory, model if model is not None else self.model, plan=self.plan,
+                        blocks=[[r.start, r.stop] for r in self.ranges], stats=stats, results=results, **kwargs)
+
+    def push_to_hub(self, repo_id: str, model: nn.Module | None = None, *, save_directory: str | None = None,
+                    private: bool | None = None, token: str | bool | None = None,
+                    commit_message: str = "Upload model trained with hf-actcomp") -> None:
+        """Save (`save_pretrained`, with the model card) and upload to the Hub repo `repo_id`.
+        Collective: call on every rank; rank 0 uploads (`hf_actcomp.hub.push_to_hub`). Without
+        `save_directory`, a temporary folder made by rank 0 (every stage writes its shard there:
+        the ranks must share a filesystem, as for any per-stage save)."""
+        push_to_hub(lambda directory: self.save_pretrained(directory, model=model), self.weights, repo_id,
+                    save_directory=save_directory, private=private, token=token, commit_message=commit_message)
+
+    def load_stage_weights(self, directory: str | os.PathLike) -> None:
+        """Load this stage's parameters from a `save_pretrained` directory, reading only its own
+        tensors (for a PEFT pipeline: its adapter weights from `adapter_model.safetensors`)."""
+        self.weights.load(directory)
