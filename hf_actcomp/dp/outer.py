@@ -4,15 +4,17 @@ Stage s of every replica forms stage s's replica group, with its own torchft lig
 stage syncs on its own (its quorum never waits for another stage, so `stagger` cannot deadlock the
 pipeline), and a restarted replica heals each stage from that stage's peer. Each process runs a
 torchft `Manager` of a group of one (this stage of this replica) and torchft's `DiLoCo` over the
-stage's trainable parameters, hooked to the user's inner optimizer. torchft restores the weights
-when a sync fails (a lost peer) and heals a replica that comes back.
+stage's trainable parameters, hooked to the user's inner optimizer: one fragment (DiLoCo), or
+`fragments` of them that sync in turn (Streaming DiLoCo, `hf_actcomp.dp.fragments`). torchft
+restores a fragment's weights when its sync fails (a lost peer) and heals a replica that comes
+back.
 
 Every use of torchft's private API is in this module (pinned in pyproject.toml; tests/test_diloco.py
 fails loudly when a release changes it):
-- the fragment's `_average_grads`, replaced so that the pseudo-gradient goes through our codec
-  (`hf_actcomp.dp.diloco.PseudoGradientCodec`) and its bytes are counted;
+- each fragment's `_average_grads`, replaced so that the pseudo-gradient goes through our codec
+  (`hf_actcomp.dp.diloco.PseudoGradientCodec`, one per fragment) and its bytes are counted;
 - `Manager._pg`, `DiLoCo._fragments`, `DiLoCo._local_step`, the fragment's `_grads`,
-  `original_parameters` and `_allreduce_work`;
+  `original_parameters`, `restore_parameters` and `_allreduce_work`;
 - `torchft.manager.ManagerServer`, swapped while the Manager is built: torchft binds it to every
   interface (`[::]`); here it binds to the host the user names;
 - `ProcessGroupGloo.get_reconfigure_handle`, whose rendezvous store torchft advertises under the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import logging
 import os
@@ -35,8 +38,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..resume import maybe_pause_for_fault_test
-from .base import ring_allreduce_bytes
 from .diloco import PseudoGradientCodec
+from .exchange import PseudoGradientExchange
+from .fragments import split_fragments
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +149,7 @@ def _process_group(host: str, timeout: datetime.timedelta):
 
 
 class _Parameters(nn.Module):
-    """A fragment for torchft: exactly these named parameters (the stage's trainable ones)."""
+    """A fragment for torchft: exactly these named parameters (a run of the stage's trainable ones)."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]]) -> None:
         super().__init__()
@@ -153,6 +157,9 @@ class _Parameters(nn.Module):
 
     def named_parameters(self, *args, **kwargs):  # noqa: ARG002 (torchft passes none)
         return iter(self._named)
+
+
+HEAL_KEY = "hf_actcomp_fragments"  # our entry in the heal message (Streaming DiLoCo only)
 
 
 class OuterSync:
@@ -179,6 +186,7 @@ class OuterSync:
         self.config = config
         self.rank = replica * num_stages + stage  # in a launch of every replica
         self.named = list(named_parameters)
+        self.fragments = split_fragments(self.named, config.fragments, stage)  # checked before any server starts
         self.offset = config.offset(stage, num_stages)
         delta = datetime.timedelta(seconds=timeout)
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)  # this group's store (of one)
@@ -190,16 +198,28 @@ class OuterSync:
                 store_port=self._store.port, lighthouse_addr=lighthouse, replica_id=f"stage{stage}_replica{replica}",
                 hostname=host, checkpoint_transport=SafetensorsTransport(host, delta), init_sync=False,
             )
-        self.outer_optimizer = torch.optim.SGD([p for _, p in self.named], lr=config.outer_lr,
-                                               momentum=config.outer_momentum, nesterov=config.nesterov)
-        numel = sum(p.numel() for _, p in self.named)
+        # One outer optimizer per fragment: its momentum travels with the fragment's heal.
+        self.outer_optimizers = [
+            torch.optim.SGD([p for _, p in fragment], lr=config.outer_lr, momentum=config.outer_momentum,
+                            nesterov=config.nesterov) for fragment in self.fragments]
         device = self.named[0][1].device if self.named else torch.device("cpu")
-        self.codec = PseudoGradientCodec(config.compression, numel, device) if config.compression else None
+        self.codecs = [PseudoGradientCodec(config.compression, sum(p.numel() for _, p in fragment), device)
+                       if config.compression else None for fragment in self.fragments]
         self.diloco = None
         self._pending: dict[str, torch.Tensor] | None = None
+        self._resumed_in_flight: int | None = None  # a fragment whose sync was in flight at the checkpoint
+        self._in_flight_failed = False
         self.bytes_sent = self.bytes_uncompressed = 0
         self.syncs = self.failed_syncs = 0
+        self.fragment_syncs = [0] * len(self.fragments)  # syncs (committed or not) per fragment
         self.seconds = 0.0
+
+    @property
+    def codec(self) -> PseudoGradientCodec | None:
+        """The pseudo-gradient codec of plain DiLoCo (one fragment); `codecs` has one per fragment."""
+        if len(self.codecs) != 1:
+            raise RuntimeError(f"This stage syncs {len(self.codecs)} fragments, each with its own codec: use .codecs.")
+        return self.codecs[0]
 
     # ------------------------------------------------------------------ the inner optimizer
     @property
@@ -207,7 +227,8 @@ class OuterSync:
         return self.diloco is not None
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Hook DiLoCo to the inner optimizer: every `sync_every` of its steps, an outer step."""
+        """Hook DiLoCo to the inner optimizer: every `sync_every / fragments` of its steps, the
+        outer step of the next fragment."""
         from torchft.local_sgd import DiLoCo
 
         if self.diloco is not None:
@@ -215,73 +236,80 @@ class OuterSync:
                 return
             raise RuntimeError("This pipeline's DiLoCo is already attached to another optimizer; attach one "
                                "inner optimizer per training run.")
-        self.diloco = DiLoCo(self.manager, [_Parameters(self.named)], optimizer, self.outer_optimizer,
-                             sync_every=self.config.sync_every, use_bucketization=True)
+        config = self.config
+        self.diloco = DiLoCo(self.manager, [_Parameters(fragment) for fragment in self.fragments], optimizer,
+                             self.outer_optimizers, sync_every=config.sync_every, use_bucketization=True,
+                             fragment_sync_delay=config.fragment_sync_delay,
+                             fragment_update_alpha=config.fragment_update_alpha)
         self.diloco.__enter__()
         self.diloco._local_step = -self.offset  # `stagger`: this stage's first sync comes `offset` steps later
-        fragment = self.diloco._fragments[0]
-        fragment._average_grads = self._average_pseudo_gradients
-        fragment.perform_sync = self._timed(fragment.perform_sync)
+        for index, fragment in enumerate(self.diloco._fragments):
+            fragment._average_grads = functools.partial(self._average_pseudo_gradients, index)
+            fragment.perform_sync = self._timed(index, fragment.perform_sync)
+        if len(self.fragments) > 1:
+            self.manager.register_state_dict_fn(HEAL_KEY, self._after_heal, dict)
         if self._pending is not None:
             state, self._pending = self._pending, None
             self.load_state_dict(state)
 
-    def _timed(self, perform_sync):
+    def _timed(self, index: int, perform_sync):
         def wrapped() -> bool:
             start = time.perf_counter()
+            if self._resumed_in_flight == index:
+                self._resume_in_flight()
             committed = perform_sync()
             self.seconds += time.perf_counter() - start
             self.syncs += 1
+            self.fragment_syncs[index] += 1
             self.failed_syncs += not committed
             if not committed:
-                logger.warning("DiLoCo sync %d was not committed (a replica was lost or errored): this stage's "
-                               "weights are back at the last sync.", self.syncs)
+                logger.warning("DiLoCo sync %d (fragment %d) was not committed (a replica was lost or errored): this "
+                               "fragment's weights are back at its last sync.", self.syncs, index)
             return committed
 
         return wrapped
 
+    def _after_heal(self, _state: dict) -> None:
+        """Streaming DiLoCo, once torchft healed every fragment's anchor and outer momentum from a
+        peer: the fragments not synced now restart from their anchors, so that their own next
+        syncs send a pseudo-gradient of this replica's steps since the heal (the fragment synced
+        now is restored by its outer step, as with one fragment)."""
+        now = self.manager.current_step() % len(self.fragments)
+        for index, fragment in enumerate(self.diloco._fragments):
+            if index != now:
+                fragment.restore_parameters()
+
     # ------------------------------------------------------------------ the pseudo-gradient
-    def _average_pseudo_gradients(self) -> None:
-        """Average the fragment's pseudo-gradients over the replicas that are in the quorum (our
-        codec, or exact fp32 all-reduce), counting the bytes. A lost peer is reported to the
-        Manager, which then refuses the commit and torchft restores the weights."""
-        from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
+    def _average_pseudo_gradients(self, index: int) -> None:
+        """Start averaging fragment `index`'s pseudo-gradients over the replicas that are in the
+        quorum (our codec, or exact fp32 all-reduce); torchft waits for it before the outer step.
+        A lost peer is reported to the Manager, which then refuses the commit and torchft restores
+        the fragment's weights."""
         from torchft.work import _DummyWork
 
         start = time.perf_counter()
-        fragment = self.diloco._fragments[0]
-        grads = [fragment._grads[name] for name, _ in self.named]
+        fragment = self.diloco._fragments[index]
+        grads = [fragment._grads[name] for name, _ in self.fragments[index]]
         manager = self.manager
         manager.wait_quorum()
         maybe_pause_for_fault_test(self.syncs + 1, self.rank, "sync")  # a test may kill this replica here
         if manager.errored() is None and grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            pg, participants = manager._pg, manager.num_participants()
-            try:
-                if self.codec is None:
-                    if not manager.is_participating():
-                        flat.zero_()
-                    opts = AllreduceOptions()
-                    opts.reduceOp = ReduceOp.SUM
-                    pg.allreduce([flat], opts).wait()
-                    sent = ring_allreduce_bytes(flat.numel() * flat.element_size(), pg.size())
-                else:
-                    payload = self.codec.encode(flat) if manager.is_participating() else self.codec.encode_nothing()
-                    gathered = [torch.empty_like(payload) for _ in range(pg.size())]
-                    pg.allgather([gathered], [payload], AllgatherOptions()).wait()
-                    flat = torch.stack([self.codec.decode(p) for p in gathered]).sum(0).to(flat.dtype)
-                    sent = payload.numel() * (pg.size() - 1)
-            except Exception as err:  # a lost peer: torchft discards this sync
-                logger.warning("DiLoCo pseudo-gradient exchange failed: %s", err)
-                manager.report_error(err)
-            else:
-                flat /= participants
-                self.bytes_sent += sent
-                self.bytes_uncompressed += ring_allreduce_bytes(flat.numel() * 4, pg.size())
-                for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                    g.copy_(part.view_as(g))
-        fragment._allreduce_work.append(_DummyWork(None))
+            work = PseudoGradientExchange(grads, manager._pg, codec=self.codecs[index],
+                                          participating=manager.is_participating(),
+                                          participants=manager.num_participants(), on_error=self._exchange_failed,
+                                          on_done=self._count)
+        else:
+            work = _DummyWork(None)
+        fragment._allreduce_work.append(work)
         self.seconds += time.perf_counter() - start
+
+    def _exchange_failed(self, err: Exception) -> None:
+        logger.warning("DiLoCo pseudo-gradient exchange failed: %s", err)
+        self.manager.report_error(err)
+
+    def _count(self, sent: int, uncompressed: int) -> None:
+        self.bytes_sent += sent
+        self.bytes_uncompressed += uncompressed
 
     # ------------------------------------------------------------------ telemetry and state
     def stats(self) -> dict:
@@ -297,31 +325,48 @@ class OuterSync:
 
     def reset_stats(self) -> None:
         self.bytes_sent = self.bytes_uncompressed = self.syncs = self.failed_syncs = 0
+        self.fragment_syncs = [0] * len(self.fragments)
         self.seconds = 0.0
+
+    def _codec_prefix(self, index: int) -> str:
+        return "pseudo_gradient." if len(self.fragments) == 1 else f"pseudo_gradient.{index}."
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The outer state, safetensors-ready: anchor weights (`anchor.*`), outer momentum
         (`momentum.*`), this replica's own weights (`weights.*`: between syncs they differ from
-        the other replicas', which a checkpoint of one replica's weights would lose), the
-        pseudo-gradient's error feedback, and the step counters."""
+        the other replicas', which a checkpoint of one replica's weights would lose), each
+        fragment's pseudo-gradient error feedback (`pseudo_gradient.*`, `pseudo_gradient.<i>.*`
+        with fragments), and the step counters. With `fragment_sync_delay`, a sync in flight is
+        finished and its averaged pseudo-gradient kept (`in_flight.*`): its outer step comes
+        after the checkpoint."""
         if self.diloco is None:
             if self._pending is not None:
                 return self._pending
             raise RuntimeError("DiLoCo's state exists once the inner optimizer is attached "
                                "(Pipeline.attach_optimizer).")
-        fragment = self.diloco._fragments[0]
-        out = {f"anchor.{name}": fragment.original_parameters[name] for name, _ in self.named}
-        out.update({f"weights.{name}": p.detach() for name, p in self.named})
-        for name, p in self.named:
-            buffer = self.outer_optimizer.state.get(p, {}).get("momentum_buffer")
-            if buffer is not None:
-                out[f"momentum.{name}"] = buffer
+        out = {}
+        for index, (named, fragment) in enumerate(zip(self.fragments, self.diloco._fragments, strict=True)):
+            out.update({f"anchor.{name}": fragment.original_parameters[name] for name, _ in named})
+            out.update({f"weights.{name}": p.detach() for name, p in named})
+            for name, p in named:
+                buffer = self.outer_optimizers[index].state.get(p, {}).get("momentum_buffer")
+                if buffer is not None:
+                    out[f"momentum.{name}"] = buffer
+            if self.codecs[index] is not None:
+                prefix = self._codec_prefix(index)
+                out.update({f"{prefix}{k}": v for k, v in self.codecs[index].state_dict().items()})
+            if fragment._allreduce_work:  # between the start of its sync and its outer step
+                for work in fragment._allreduce_work:
+                    work.wait()
+                out.update({f"in_flight.{name}": fragment._grads[name] for name, _ in named})
+                out["in_flight_fragment"] = torch.tensor(index)
+                out["in_flight_failed"] = torch.tensor(self.manager.errored() is not None)
         manager = self.manager.state_dict()
         out["inner_step"] = torch.tensor(self.diloco._local_step)
         out["outer_step"] = torch.tensor(manager["step"])
         out["batches_committed"] = torch.tensor(manager["batches_committed"])
-        if self.codec is not None:
-            out.update({f"pseudo_gradient.{k}": v for k, v in self.codec.state_dict().items()})
+        if len(self.fragments) > 1:
+            out["fragments"] = torch.tensor(len(self.fragments))
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -331,22 +376,49 @@ class OuterSync:
         if missing or "inner_step" not in state:
             raise ValueError(f"The saved DiLoCo state lacks {missing[:3] or ['inner_step']}: it was written by "
                              "another plan or model split.")
+        saved = int(state["fragments"]) if "fragments" in state else 1
+        if saved != len(self.fragments):
+            raise ValueError(f"The saved DiLoCo state has {saved} fragment(s); this plan syncs {len(self.fragments)} "
+                             "(Plan.dp_compression fragments): resume with the plan it was saved under.")
         if self.diloco is None:
             self._pending = dict(state)
             return
-        fragment = self.diloco._fragments[0]
         with torch.no_grad():
-            for name, p in self.named:
-                fragment.original_parameters[name].copy_(state[f"anchor.{name}"])
-                p.copy_(state[f"weights.{name}"])
-                if f"momentum.{name}" in state:
-                    self.outer_optimizer.state[p]["momentum_buffer"] = state[f"momentum.{name}"].clone().to(p.device)
+            for index, (named, fragment) in enumerate(zip(self.fragments, self.diloco._fragments, strict=True)):
+                optimizer = self.outer_optimizers[index]
+                for name, p in named:
+                    fragment.original_parameters[name].copy_(state[f"anchor.{name}"])
+                    p.copy_(state[f"weights.{name}"])
+                    if f"momentum.{name}" in state:
+                        optimizer.state[p]["momentum_buffer"] = state[f"momentum.{name}"].clone().to(p.device)
+                if self.codecs[index] is not None:
+                    prefix = self._codec_prefix(index)
+                    self.codecs[index].load_state_dict({k[len(prefix):]: v for k, v in state.items()
+                                                        if k.startswith(prefix)})
         self.diloco._local_step = int(state["inner_step"])
         self.manager.load_state_dict({"step": int(state["outer_step"]),
                                       "batches_committed": int(state["batches_committed"])})
-        if self.codec is not None:
-            self.codec.load_state_dict({k[len("pseudo_gradient."):]: v for k, v in state.items()
-                                        if k.startswith("pseudo_gradient.")})
+        if "in_flight_fragment" in state:
+            self._load_in_flight(state)
+
+    def _load_in_flight(self, state: dict[str, torch.Tensor]) -> None:
+        """A checkpoint taken between a fragment's sync start and its outer step: the averaged
+        pseudo-gradient waits as a finished exchange, and the outer step (at its usual step)
+        first forms a quorum, which the run that saved had formed at the start."""
+        from torchft.work import _DummyWork
+
+        index = int(state["in_flight_fragment"])
+        fragment = self.diloco._fragments[index]
+        fragment._grads = {name: state[f"in_flight.{name}"].clone().to(p.device) for name, p in self.fragments[index]}
+        fragment._allreduce_work = [_DummyWork(None)]
+        self._resumed_in_flight = index
+        self._in_flight_failed = bool(state["in_flight_failed"])
+
+    def _resume_in_flight(self) -> None:
+        self._resumed_in_flight = None
+        self.manager.start_quorum()
+        if self._in_flight_failed:
+            self.manager.report_error(RuntimeError("this sync's exchange had failed before the checkpoint"))
 
     def close(self) -> None:
         """Stop the Manager's threads and servers (the process can then exit cleanly)."""

@@ -22,7 +22,7 @@ class DiLoCoConfig:
     """`Plan(dp_compression={"method": "diloco", ...})`.
 
     Args:
-        sync_every: inner steps (optimizer steps) between outer steps (H).
+        sync_every: inner steps (optimizer steps) between two outer steps of a parameter (H).
         outer_lr: learning rate of the outer SGD step.
         outer_momentum: momentum of the outer step (0: none).
         nesterov: Nesterov momentum (needs outer_momentum > 0).
@@ -34,6 +34,18 @@ class DiLoCoConfig:
             bursts do not share the link at the same moment.
         min_replicas: replicas an outer step needs; with fewer than `data_parallel`, the others
             go on when one is lost. None: all of them.
+        fragments: Streaming DiLoCo (Douillard et al. 2025): each stage's trainable parameters
+            are split into this many fragments (whole tensors, contiguous in name order, balanced
+            by element count) and one fragment syncs every `sync_every / fragments` steps, in
+            turn, so each still syncs every `sync_every` steps while a sync sends about
+            1/fragments of the bytes. Must divide `sync_every`; every stage needs at least this
+            many trainable tensors (checked by `prepare`). 1: DiLoCo.
+        fragment_sync_delay: inner steps between the start of a fragment's sync (its
+            pseudo-gradient taken and sent) and its outer step, during which training goes on
+            while the exchange runs (torchft's tau). Below `sync_every / fragments`.
+        fragment_update_alpha: at a fragment's outer step, its weights become
+            `(1 - alpha) * synced + alpha * local` (the local weights keep the delayed steps'
+            progress; 0: the synced weights, replicas equal bit for bit).
     """
 
     sync_every: int = 32
@@ -43,6 +55,9 @@ class DiLoCoConfig:
     compression: Any = None
     stagger: bool = False
     min_replicas: int | None = None
+    fragments: int = 1
+    fragment_sync_delay: int = 0
+    fragment_update_alpha: float = 0.0
 
     @classmethod
     def from_params(cls, params: dict[str, Any], data_parallel: int) -> DiLoCoConfig:
@@ -70,6 +85,7 @@ class DiLoCoConfig:
         if minimum is not None and (not isinstance(minimum, int) or not 1 <= minimum <= data_parallel):
             raise ValueError(f"{owner} min_replicas={minimum!r} must be an integer in 1..data_parallel "
                              f"({data_parallel}), or None for all of them.")
+        _check_fragments(config, owner)
         compression = config.compression
         if compression is not None:
             compression = _stateless_compression(compression, f"{owner} compression")
@@ -82,14 +98,45 @@ class DiLoCoConfig:
             params["compression"] = asdict(self.compression)
         return {"method": DILOCO, **params}
 
+    @property
+    def fragment_every(self) -> int:
+        """Inner steps between two syncs of a stage (of successive fragments): H / fragments."""
+        return self.sync_every // self.fragments
+
     def offset(self, stage: int, num_stages: int) -> int:
-        """Inner steps stage `stage` waits before its first sync (0 without `stagger`)."""
-        return stage * self.sync_every // num_stages if self.stagger else 0
+        """Inner steps stage `stage` waits before its first sync (0 without `stagger`): the
+        stages' syncs spread evenly over the `fragment_every` steps between two of them."""
+        return stage * self.fragment_every // num_stages if self.stagger else 0
 
     def label(self) -> str:
-        """Short label for cards and logs, e.g. `diloco-H32-quantize8`."""
+        """Short label for cards and logs, e.g. `diloco-H32-quantize8` (`diloco-H32-F4-...`
+        with fragments, `-d1` with a sync delay)."""
         codec = self.compression.describe() if self.compression is not None else "fp32"
-        return f"diloco-H{self.sync_every}-{codec}"
+        streaming = f"-F{self.fragments}" if self.fragments > 1 else ""
+        delay = f"-d{self.fragment_sync_delay}" if self.fragment_sync_delay else ""
+        return f"diloco-H{self.sync_every}{streaming}{delay}-{codec}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_fragments(config: DiLoCoConfig, owner: str) -> None:
+    """Streaming DiLoCo's settings, as torchft's `DiLoCo` needs them: one fragment syncs every
+    H / fragments steps (so fragments divides H), and a delayed sync ends before the next starts."""
+    fragments, delay, alpha = config.fragments, config.fragment_sync_delay, config.fragment_update_alpha
+    if not _is_int(fragments) or fragments < 1:
+        raise ValueError(f"{owner} fragments={fragments!r} must be an integer >= 1 (1: plain DiLoCo).")
+    if config.sync_every % fragments:
+        divisors = [f for f in range(1, config.sync_every + 1) if config.sync_every % f == 0]
+        raise ValueError(f"{owner} fragments={fragments} must divide sync_every={config.sync_every} (one fragment "
+                         f"syncs every sync_every / fragments steps): one of {divisors}.")
+    every = config.sync_every // fragments
+    if not _is_int(delay) or not 0 <= delay < every:
+        raise ValueError(f"{owner} fragment_sync_delay={delay!r} must be an integer in 0..{every - 1} (below "
+                         f"sync_every / fragments = {every}: a fragment's sync ends before the next one starts).")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not 0 <= alpha <= 1:
+        raise ValueError(f"{owner} fragment_update_alpha={alpha!r} must be a number in [0, 1].")
 
 
 def _check_dp_compression(value: str | dict[str, Any], data_parallel: int) -> str | dict[str, Any]:

@@ -51,7 +51,8 @@ class Plan(ConfigMixin):
             hook of your own once added with `hf_actcomp.dp.register_hook`), or a dict with
             `method` and the hook's parameters, e.g. `{"method": "topk", "ratio": 0.01}`. Or
             `{"method": "diloco", "sync_every": 32, ...}`: replicas that talk only every
-            `sync_every` optimizer steps, through torchft (`DiLoCoConfig`, docs/data_parallel.md).
+            `sync_every` optimizer steps, through torchft (`DiLoCoConfig`, docs/data_parallel.md);
+            with `"fragments": F`, Streaming DiLoCo: F parts of each stage that sync in turn.
         tie_compression: how the rows of an embedding tied to the LM head (GPT-2, OPT) travel
             between the first and the last stage, e.g. `Compression("quantize", bits=8)`. None
             (default): exact, in the weight's dtype. Otherwise rows go as deltas against a mirror

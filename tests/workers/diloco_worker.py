@@ -111,6 +111,76 @@ def mean(out_dir: str, num_stages: str, compression: str) -> None:
     save(out_dir, f"mean-{compression}", tensors, info)
 
 
+CODECS = {"none": None, "quantize8": {"method": "quantize", "bits": 8}}
+
+
+def fragment_info(pipe) -> dict:
+    """Each fragment's names (as split) and sizes, for the test to check against."""
+    outer = pipe.outer
+    return {"fragments": [[n for n, _ in f] for f in outer.fragments],
+            "numel": [sum(p.numel() for _, p in f) for f in outer.fragments],
+            "payload_nbytes": [c.payload_nbytes if c is not None else None for c in outer.codecs]}
+
+
+def streaming(out_dir: str, compression: str, steps: int = 12, name: str = "", **settings) -> None:
+    """Streaming DiLoCo on 1 stage, H=6 in 3 fragments (one syncs every 2 steps), outer lr 1, no
+    momentum, inner AdamW: per step, the weights before DiLoCo's hook and after it, which
+    fragments synced, the bytes sent so far and each fragment's error feedback."""
+    params = {"method": "diloco", "sync_every": 6, "fragments": 3, "outer_lr": 1.0, "outer_momentum": 0.0,
+              "nesterov": False, "compression": CODECS[compression], **settings}
+    name = name or f"streaming-{compression}"
+    model = debug_model("gpt2", seed=0)
+    pipe = hf_actcomp.prepare(model, Plan(num_stages=1, data_parallel=2, dp_compression=params), timeout=60)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    snapshots = {}
+    optimizer.register_step_post_hook(lambda *_: snapshots.update(before=weights(pipe)))
+    pipe.attach_optimizer(optimizer)
+    outer = pipe.outer
+    tensors = {f"start.{n}": t for n, t in weights(pipe).items()}
+    per_step = []
+
+    def on_step(step: int) -> None:
+        tensors.update({f"before{step}.{n}": t for n, t in snapshots["before"].items()})
+        tensors.update({f"after{step}.{n}": t for n, t in weights(pipe).items()})
+        for index, fragment in enumerate(outer.diloco._fragments):
+            tensors.update({f"anchor{step}.{n}": t.clone() for n, t in fragment.original_parameters.items()})
+            if outer.codecs[index] is not None:
+                tensors[f"error{step}.{index}"] = outer.codecs[index].error.clone()
+        per_step.append({"fragment_syncs": list(outer.fragment_syncs), "bytes_sent": outer.bytes_sent,
+                         "outer_step": outer.manager.current_step()})
+
+    train(pipe, optimizer, steps, model.config.vocab_size, on_step)
+    save(out_dir, name, tensors, {"dp": pipe.stats()["categories"]["data_parallel"], "per_step": per_step,
+                                  **fragment_info(pipe)})
+
+
+def resumed(out_dir: str) -> None:
+    """Streaming DiLoCo (2 fragments, H=4, a sync delay of 1, int8, Nesterov), inner SGD: 8 steps
+    straight, saving the state after step 3 (fragment 1's sync in flight); then a fresh pipeline
+    loads it and trains steps 4..8."""
+    params = {"method": "diloco", "sync_every": 4, "fragments": 2, "fragment_sync_delay": 1,
+              "compression": CODECS["quantize8"]}
+    state_dir = os.path.join(out_dir, "resumed-state")
+    results = {}
+    for run, (first, save_after) in {"straight": (0, 3), "resumed": (3, None)}.items():
+        model = debug_model("gpt2", seed=0)
+        pipe = hf_actcomp.prepare(model, Plan(num_stages=1, data_parallel=2, dp_compression=params), timeout=60)
+        optimizer = pipe.attach_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+        if run == "resumed":
+            pipe.load_compression_state(state_dir)
+        for step in range(first, 8):
+            pipe.train_step(replica_batch(model.config.vocab_size, pipe.replica, step))
+            optimizer.step()
+            optimizer.zero_grad()
+            if step + 1 == save_after:
+                pipe.save_compression_state(state_dir)
+                results["saved_keys"] = sorted({k.split(".")[1] for k in pipe.compression_state_dict()
+                                                if k.startswith("data_parallel.")})
+        results[run] = pipe.stats()["categories"]["data_parallel"]
+        save(out_dir, f"resumed-{run}", weights(pipe))
+    save(out_dir, "resumed", {}, results)
+
+
 def two_d(out_dir: str) -> None:
     """2 stages x 2 replicas, AQ-SGD boundaries, DiLoCo with int8 pseudo-gradients and stagger:
     each stage syncs at its own steps; the replicas agree after each of them."""
@@ -130,21 +200,42 @@ def two_d(out_dir: str) -> None:
     losses = train(pipe, optimizer, 10, model.config.vocab_size, on_step)
     stats = pipe.stats()["categories"]
     equivalence(out_dir, "2", diloco_schedule="zbh1")  # the same launch: DiLoCo under zero-bubble H1
+    streaming_two_d(out_dir)
     save(out_dir, "two_d", tensors, {"dp": stats["data_parallel"], "losses": losses, "stage": pipe.stage_index,
                                      "replica": pipe.replica, "payload_nbytes": pipe.outer.codec.payload_nbytes,
                                      "sample_range": [pipe.sample_range.start, pipe.sample_range.stop]})
 
 
-def fault(out_dir: str, stop_file: str, min_steps: str, max_steps: str) -> None:
+def streaming_two_d(out_dir: str) -> None:
+    """2 stages x 2 replicas, Streaming DiLoCo (H=4 in 2 fragments) with stagger, fp32: stage 0
+    syncs a fragment after steps 2, 4, 6, 8, stage 1 after 3, 5, 7, 9; the weights after each
+    step and which fragments synced."""
+    model = debug_model("gpt2", seed=0)
+    plan = Plan(num_stages=2, data_parallel=2, micro_batches=2,
+                dp_compression={"method": "diloco", "sync_every": 4, "fragments": 2, "stagger": True})
+    pipe = hf_actcomp.prepare(model, plan, timeout=60)
+    optimizer = pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-2))
+    tensors, per_step = {}, []
+
+    def on_step(step: int) -> None:
+        tensors.update({f"step{step}.{n}": t for n, t in weights(pipe).items()})
+        per_step.append({"fragment_syncs": list(pipe.outer.fragment_syncs), "bytes_sent": pipe.outer.bytes_sent})
+
+    train(pipe, optimizer, 9, model.config.vocab_size, on_step)
+    save(out_dir, "streaming_two_d", tensors, {"per_step": per_step, "stage": pipe.stage_index, **fragment_info(pipe)})
+
+
+def fault(out_dir: str, stop_file: str, min_steps: str, max_steps: str, fragments: str = "1") -> None:
     """One replica of 2 launched on its own (REPLICA_GROUP_ID), 1 stage, H=2, min_replicas=1:
-    after each sync, its weights and whether the sync was committed. Trains at least `min_steps`
-    steps, then on until `stop_file` exists (while a killed peer restarts and heals), at most
-    `max_steps`."""
+    after each sync, its weights, whether the sync was committed and which fragment synced (with
+    `fragments` 2, one every step). Trains at least `min_steps` steps, then on until `stop_file`
+    exists (while a killed peer restarts and heals), at most `max_steps`."""
     import time
 
     replica = int(os.environ["REPLICA_GROUP_ID"])
     model = debug_model("gpt2", seed=0)
-    plan = Plan(num_stages=1, data_parallel=2, dp_compression={"method": "diloco", "sync_every": 2, "min_replicas": 1})
+    plan = Plan(num_stages=1, data_parallel=2, dp_compression={"method": "diloco", "sync_every": 2, "min_replicas": 1,
+                                                               "fragments": int(fragments)})
     pipe = hf_actcomp.prepare(model, plan, timeout=30)
     optimizer = pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-2))
     # Both replicas' Managers are up (heartbeating) before either trains: a replica that reached
@@ -155,7 +246,7 @@ def fault(out_dir: str, stop_file: str, min_steps: str, max_steps: str) -> None:
     records, step = [], 0
     while step < int(min_steps) or (not os.path.exists(stop_file) and step < int(max_steps)):
         pipe.train_step(replica_batch(model.config.vocab_size, replica, step))
-        syncs, failed = pipe.outer.syncs, pipe.outer.failed_syncs
+        syncs, failed, per_fragment = pipe.outer.syncs, pipe.outer.failed_syncs, list(pipe.outer.fragment_syncs)
         optimizer.step()
         optimizer.zero_grad()
         step += 1
@@ -163,10 +254,11 @@ def fault(out_dir: str, stop_file: str, min_steps: str, max_steps: str) -> None:
             name = f"replica{replica}-{os.getpid()}-sync{pipe.outer.syncs}"
             save_file({k: v.contiguous() for k, v in weights(pipe).items()}, os.path.join(out_dir, f"{name}.safetensors"))
             records.append({"name": name, "committed": pipe.outer.failed_syncs == failed,
-                            "outer_step": pipe.outer.manager.current_step()})
+                            "outer_step": pipe.outer.manager.current_step(),
+                            "fragment": [a != b for a, b in zip(pipe.outer.fragment_syncs, per_fragment, strict=True)].index(True)})
         time.sleep(0.05)
     with open(os.path.join(out_dir, f"replica{replica}-{os.getpid()}.json"), "w") as f:
-        json.dump({"records": records, "steps": step}, f)
+        json.dump({"records": records, "steps": step, "fragments": fragment_info(pipe)["fragments"]}, f)
     pipe.outer.close()
 
 
@@ -175,6 +267,10 @@ def one_stage(out_dir: str) -> None:
     equivalence(out_dir, "1")
     for compression in ("none", "quantize8", "hadamard4", "topk_quantize2"):
         mean(out_dir, "1", compression)
+    for compression in ("none", "quantize8"):
+        streaming(out_dir, compression)
+    streaming(out_dir, "none", 8, "delayed", sync_every=4, fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5)
+    resumed(out_dir)
 
 
 def main() -> None:
