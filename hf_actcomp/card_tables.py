@@ -61,7 +61,11 @@ def _describe_diloco(config: DiLoCoConfig) -> str:
                 if config.outer_momentum else "")
     codec = (f"`{config.compression.describe()}` with error feedback" if config.compression is not None
              else "fp32 (exact)")
-    extras = [f"at least {config.min_replicas} per sync" if config.min_replicas else "",
+    streaming = (f"Streaming DiLoCo: {config.fragments} fragments in turn, one every {config.fragment_every} steps"
+                 if config.fragments > 1 else "")
+    delay = f"each sync overlapped with {config.fragment_sync_delay} inner step(s)" if config.fragment_sync_delay else ""
+    alpha = (f"local weights mixed in at {config.fragment_update_alpha:g}" if config.fragment_update_alpha else "")
+    extras = [streaming, delay, alpha, f"at least {config.min_replicas} per sync" if config.min_replicas else "",
               "stages staggered" if config.stagger else ""]
     return (f"DiLoCo: an outer step every {config.sync_every} optimizer steps (outer SGD lr {config.outer_lr:g}"
             f"{momentum}), pseudo-gradients as {codec}" + "".join(f"; {e}" for e in extras if e))

@@ -106,6 +106,7 @@ def estimate_command(args: argparse.Namespace) -> int:
                       args.num_samples, args.compute_seconds)
     if plan.diloco is not None:
         result["diloco"] = {"method": plan.diloco.label(), "sync_every": plan.diloco.sync_every,
+                            "fragments": plan.diloco.fragments,
                             "stages": diloco_estimate(config, plan, parse_link(args.link))}
     if args.json:
         print(json.dumps(result, indent=2))
@@ -134,8 +135,11 @@ def estimate_command(args: argparse.Namespace) -> int:
         print(f"tied embedding rows: at most {size_text(result['tied_embedding_bytes_at_most'])} per step "
               "(fp32, exact)")
     if "diloco" in result:
+        fragments = plan.diloco.fragments
+        streaming = (f"; {fragments} fragments in turn, one every {plan.diloco.fragment_every} steps: bytes per sync "
+                     "are the largest fragment's" if fragments > 1 else "")
         print(f"data parallel: {plan.data_parallel} replicas, {result['diloco']['method']} (an outer step every "
-              f"{result['diloco']['sync_every']} optimizer steps; bytes each replica sends)")
+              f"{result['diloco']['sync_every']} optimizer steps{streaming}; bytes each replica sends)")
         print("| stage | parameters | bytes per sync | bytes per step | vs DDP every step | link time per sync |")
         print("|---|---|---|---|---|---|")
         for e in result["diloco"]["stages"]:

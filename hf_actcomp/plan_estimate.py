@@ -99,9 +99,10 @@ def estimate(config: PretrainedConfig, plan: Plan, batch_size: int, seq_len: int
     return out
 
 
-def stage_parameter_counts(config: PretrainedConfig, plan: Plan) -> list[int]:
-    """Trainable parameters each stage owns (a tied embedding counted on the last stage only),
-    from the model built on the meta device: no weights are read or allocated."""
+def stage_trainable(config: PretrainedConfig, plan: Plan) -> list[list[tuple[str, torch.Tensor]]]:
+    """Each stage's trainable parameters in name order, as the pipeline syncs them (a tied
+    embedding on the last stage only), from the model built on the meta device: no weights are
+    read or allocated."""
     from transformers import AutoModelForCausalLM
 
     from .models import get_adapter
@@ -112,28 +113,44 @@ def stage_parameter_counts(config: PretrainedConfig, plan: Plan) -> list[int]:
     adapter = get_adapter(model)
     ranges = stage_ranges(adapter, plan)
     tied = {name for pair in adapter.tied_weights() for name in pair}
-    counts = []
+    stages = []
     for s, r in enumerate(ranges):
         stage = adapter.build_stage(r.start, r.stop, first=s == 0, last=s == len(ranges) - 1)
-        counts.append(sum(p.numel() for name, p in stage.named_parameters()
-                          if p.requires_grad and not (s == 0 and len(ranges) > 1 and name in tied)))
-    return counts
+        stages.append([(name, p) for name, p in sorted(stage.named_parameters())
+                       if p.requires_grad and not (s == 0 and len(ranges) > 1 and name in tied)])
+    return stages
+
+
+def stage_parameter_counts(config: PretrainedConfig, plan: Plan) -> list[int]:
+    """Trainable parameters each stage owns (a tied embedding counted on the last stage only)."""
+    return [sum(p.numel() for _, p in named) for named in stage_trainable(config, plan)]
 
 
 def diloco_estimate(config: PretrainedConfig, plan: Plan, link_bits_per_second: float) -> list[dict]:
-    """Per stage: the pseudo-gradient bytes each replica sends per sync and per optimizer step, the
-    link time of a sync, and the bytes DDP's per-step all-reduce would send instead."""
+    """Per stage: the pseudo-gradient bytes each replica sends per sync (with Streaming DiLoCo's
+    fragments: the largest fragment's, the peak) and per optimizer step, the link time of a sync,
+    and the bytes DDP's per-step all-reduce would send instead."""
     from .dp.base import ring_allreduce_bytes
     from .dp.diloco import payload_nbytes
+    from .dp.fragments import split_fragments
 
     diloco, replicas = plan.diloco, plan.data_parallel
+
+    def sync_bytes(numel: int) -> int:
+        if diloco.compression is None:
+            return ring_allreduce_bytes(4 * numel, replicas)
+        return payload_nbytes(diloco.compression, numel) * (replicas - 1)
+
     rows = []
-    for stage, numel in enumerate(stage_parameter_counts(config, plan)):
+    for stage, named in enumerate(stage_trainable(config, plan)):
+        numel = sum(p.numel() for _, p in named)
         ddp = ring_allreduce_bytes(4 * numel, replicas)
-        per_sync = ddp if diloco.compression is None else payload_nbytes(diloco.compression, numel) * (replicas - 1)
+        per_fragment = [sync_bytes(sum(p.numel() for _, p in fragment))
+                        for fragment in split_fragments(named, diloco.fragments, stage)]
+        per_sync, per_h = max(per_fragment), sum(per_fragment)  # every fragment syncs once per H steps
         rows.append({"stage": stage, "parameters": numel, "bytes_per_sync": per_sync,
-                     "bytes_per_step": per_sync / diloco.sync_every, "ddp_bytes_per_step": ddp,
-                     "ratio_vs_ddp": ddp * diloco.sync_every / per_sync,
+                     "bytes_per_step": per_h / diloco.sync_every, "ddp_bytes_per_step": ddp,
+                     "ratio_vs_ddp": ddp * diloco.sync_every / per_h,
                      "link_seconds_per_sync": per_sync * 8 / link_bits_per_second})
     return rows
 

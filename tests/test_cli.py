@@ -131,6 +131,29 @@ def test_estimate_diloco_bytes_per_sync_and_step(tmp_path, capsys):
     assert "| 0 | 108,160 | 108.9 KiB | 3.4 KiB | 124x fewer |" in out
 
 
+def test_estimate_streaming_diloco_sends_the_largest_fragment_per_sync(tmp_path, capsys):
+    """With Streaming DiLoCo's fragments the estimate splits each stage as the run does: the debug
+    GPT-2 on 2 stages, H=4 in 2 fragments, fp32: a sync sends at most 231,936 and 265,472 bytes
+    (the largest fragment's ring all-reduce, as tests/test_diloco.py's 2 x 2 run counts them),
+    and per H steps the whole stage once."""
+    from hf_actcomp.debug import debug_model
+
+    debug_model("gpt2").config.save_pretrained(tmp_path)
+    plan = Plan(num_stages=2, micro_batches=2, data_parallel=2,
+                dp_compression={"method": "diloco", "sync_every": 4, "fragments": 2})
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.to_json_string())
+    args = ["estimate", "--model", str(tmp_path), "--plan", str(plan_path), "--batch-size", "8", "--seq-len", "16"]
+    assert main([*args, "--json"]) == 0
+    diloco = json.loads(capsys.readouterr().out)["diloco"]
+    assert diloco["method"] == "diloco-H4-F2-fp32" and diloco["fragments"] == 2
+    assert [e["bytes_per_sync"] for e in diloco["stages"]] == [231936, 265472]
+    for e in diloco["stages"]:
+        assert e["bytes_per_step"] == e["ddp_bytes_per_step"] / 4 and e["ratio_vs_ddp"] == 4
+    assert main(args) == 0
+    assert "2 fragments in turn, one every 2 steps: bytes per sync are the largest fragment's" in capsys.readouterr().out
+
+
 def test_estimate_errors(tmp_path, capsys):
     with pytest.raises(ValueError, match="'fast' is not a rate"):
         parse_link("fast")
