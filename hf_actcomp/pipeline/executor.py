@@ -17,11 +17,12 @@ def run_actions(runner: StageRunner, actions: list[Action], micro: list[MicroBat
     """Run `actions` (fused: `F`, `B`, `W`, `BW`) over `micro`; returns the sum of the
     micro-batches' losses on the last stage (zero elsewhere), detached, in float32."""
     saved: dict[int, tuple] = {}
+    split = {i for kind, i in actions if kind == "B"}  # a `B` apart from its `W`: a split backward
     total = torch.zeros((), dtype=torch.float32, device=runner.device)
     for k, (kind, i) in enumerate(actions):
         pair = k + 1 < len(actions) and runner.receives(actions[k + 1][0])
         if kind == "F":
-            saved[i] = runner.forward(i, micro[i], normaliser, pair)
+            saved[i] = runner.forward(i, micro[i], normaliser, pair, split=i in split)
             if runner.is_last:
                 total += saved[i][1].detach().float()
         elif kind == "W":

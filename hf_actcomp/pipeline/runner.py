@@ -163,8 +163,15 @@ class StageRunner:
         """The router side channel (MoE load-balancing loss), empty for every other model."""
         return self.router.collecting() if self.router is not None else contextlib.nullcontext()
 
-    def forward(self, i: int, mb: MicroBatch, normaliser, pair: bool) -> tuple:
-        """(input, output or loss, router probabilities or None) of micro-batch `i`, kept for its backward."""
+    def forward(self, i: int, mb: MicroBatch, normaliser, pair: bool, split: bool = False) -> tuple:
+        """(input, output or loss, router probabilities or None) of micro-batch `i`, kept for its
+        backward. `split`: its backward will be split (`B` now, `W` later), so its linear layers
+        go through the weight-gradient store."""
+        routed = self.weight_gradients.routed() if split and not self.is_first else contextlib.nullcontext()
+        with routed:
+            return self._forward(i, mb, normaliser, pair)
+
+    def _forward(self, i: int, mb: MicroBatch, normaliser, pair: bool) -> tuple:
         x, side = mb.input_ids, None
         if not self.is_first:
             x, side = self.links["forward_in"].receive(i, self.shape(mb), sample_ids=mb.sample_id)

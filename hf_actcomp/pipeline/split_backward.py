@@ -13,6 +13,10 @@ torch.distributed.pipelining's `stage_backward_input` / `stage_backward_weight` 
 here, benchmarks/results/schedules.md). Outside `deferring` the layers compute both gradients at
 once, with the same products as autograd's linear.
 
+Only the micro-batches whose `B` is split go through the store (`WeightGradients.routed` around
+their forward): the others, run fused, use the layers' own forward and autograd's own backward,
+so a schedule that splits few backwards pays for few.
+
 Layers inside a `torch.compile`d block are left as they are (a Python side effect in a backward
 would break the compiled graph): there the weight gradient comes with `B`.
 """
@@ -33,16 +37,28 @@ class WeightGradients:
     """The held-back weight-gradient work of each micro-batch whose `B` ran and whose `W` did not."""
 
     def __init__(self) -> None:
+        self.routing = False
         self.recording: list[Callable[[], None]] | None = None
         self.pending: dict[int, list[Callable[[], None]]] = {}
 
     @contextlib.contextmanager
-    def deferring(self, micro_batch: int) -> Iterator[None]:
-        """Within: a backward through the routed layers keeps their weight gradients for
-        `compute(micro_batch)`."""
-        self.recording = []
+    def routed(self) -> Iterator[None]:
+        """Within: the patched layers run through the store (the forward of a micro-batch whose
+        `B` will be split); outside, their class's own forward, with no Python-side cost."""
+        before, self.routing = self.routing, True
         try:
             yield
+        finally:
+            self.routing = before
+
+    @contextlib.contextmanager
+    def deferring(self, micro_batch: int) -> Iterator[None]:
+        """Within: a backward through the routed layers keeps their weight gradients for
+        `compute(micro_batch)` (routed too: activation checkpointing recomputes the forward here)."""
+        self.recording = []
+        try:
+            with self.routed():
+                yield
         finally:
             self.pending[micro_batch], self.recording = self.recording, None
 
@@ -135,6 +151,8 @@ def defer_weight_gradients(stage: nn.Module, store: WeightGradients) -> int:
         transposed = type(module) is Conv1D
 
         def forward(x: torch.Tensor, module: nn.Module = module, transposed: bool = transposed) -> torch.Tensor:
+            if not store.routing:
+                return type(module).forward(module, x)
             return _Linear.apply(x, module.weight, module.bias, module, store, transposed)
 
         module.forward = forward
