@@ -94,6 +94,13 @@ def run_workers(script: str, world_size: int, args: list[str], timeout: float = 
     return results
 
 
+def shape(ns: str, dev: str, rate: str, burst: str, latency: str = "100ms") -> None:
+    """`tc tbf` on the egress of `dev` in namespace `ns`, replacing its qdisc (also to change
+    the rate of a link while processes use it: tests/stall.py)."""
+    subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
+                    "latency", latency], check=True, capture_output=True, text=True)
+
+
 @contextlib.contextmanager
 def linked_namespaces(mbit: float, burst: str = "16kb") -> Iterator[list[tuple[str, str, str]]]:
     """Two network namespaces made for this test, joined by a veth pair whose ends are each
@@ -125,8 +132,7 @@ def linked_namespaces(mbit: float, burst: str = "16kb") -> Iterator[list[tuple[s
             sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             sh("ip", "-n", ns, "link", "set", dev, "up")
             sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
-               "burst", burst, "latency", "100ms")
+            shape(ns, dev, f"{mbit}mbit", burst)
         yield ends
     finally:
         for ns in made:
