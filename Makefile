@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test lint train bench-codecs bench-outliers bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-time-to-quality bench-dp-hooks bench-diloco bench-compile clean
+.PHONY: setup test lint train bench-codecs bench-outliers bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-link-stall bench-time-to-quality bench-dp-hooks bench-diloco bench-compile clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -41,6 +41,9 @@ bench-memory: setup
 
 bench-slow-link: setup
 	$(PY) benchmarks/slow_link.py
+
+bench-link-stall: setup
+	$(PY) benchmarks/link_stall.py
 
 bench-time-to-quality: setup
 	$(PY) benchmarks/time_to_quality.py
