@@ -12,6 +12,12 @@ varies (it is TCP's recovery, also sampled with `ss -tin`):
   (b) after step 10 the parent shapes both veth ends to near zero (tbf 1 kbit/s, 2 KB burst)
       for 20 s, then back to 10 Mbit/s (tests/stall.py), with prepare(timeout=300).
 
+  (d) as (a) then (b), with TCP's largest retransmission timeout capped at 1 s in both
+      namespaces (sysctl net.ipv4.tcp_rto_max_ms, Linux 6.15 or later; `--rto_max_ms 0` skips it):
+      packets held in the link's queue through the stall come out with round trips as long as
+      the stall, and TCP's timeout grows with them, which is most of what a stall costs beyond
+      its length.
+
 It records every step's time, checks that one step spans the whole stall (so the link really
 stopped), and compares (b)'s per-step losses and final weights with (a)'s, bit for bit. Then
 (c), new processes: the same stall with prepare(timeout=10), shorter than the stall; it records
@@ -108,17 +114,19 @@ def tcp_summary(samples: list[dict], window: dict) -> dict:
     return out
 
 
-def launch(args, out: str, runs: list[str], timeout: float) -> tuple[list[dict], dict, list, float]:
+def launch(args, out: str, runs: list[str], timeout: float,
+           rto_max_ms: int | None = None) -> tuple[list[dict], dict, list, float]:
     """One pair of workers on a fresh shaped link that stalls after `--stall_after` of the run
-    `stalled`. Returns each rank's results, the stall's window, the workers' exit codes (None:
-    killed at the deadline) and the share of the CPUs other processes used meanwhile."""
+    `stalled` (with `rto_max_ms`: TCP's largest retransmission timeout, net.ipv4.tcp_rto_max_ms,
+    set in both namespaces). Returns each rank's results, the stall's window, the workers' exit
+    codes (None: killed at the deadline) and the share of the CPUs other processes used meanwhile."""
     worker_args = [out, "--runs", *runs, "--timeout", str(timeout), "--steps", str(args.steps),
                    "--stall_after", str(args.stall_after), *(f"--{k}={getattr(args, k)}" for k in MODEL_ARGS)]
     busy, own = busy_cpu_seconds()[0], resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
     marker = os.path.join(out, "stall.marker")
-    with linked_namespaces(args.mbit) as ends, stall_on_marker(ends, marker, args.stall, args.mbit) as stall, \
-            sample_tcp(ends, marker, stall) as samples:
+    with linked_namespaces(args.mbit, rto_max_ms=rto_max_ms) as ends, \
+            stall_on_marker(ends, marker, args.stall, args.mbit) as stall, sample_tcp(ends, marker, stall) as samples:
         workers = run_workers(WORKER, 2, worker_args, timeout=args.deadline, check="plain" in runs, namespaces=ends)
     wall = time.monotonic() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -190,7 +198,9 @@ def write(result: dict, args) -> None:
         f"the busier direction's bytes at the link's rate {g['link_seconds_per_step']:.3f} s). Other processes "
         f"used at most {100 * result['other_cpu_share']:.0f}% of the CPUs meanwhile.",
         "",
-        f"{args.repeats} rounds of (a) then (b) in the same processes, each round in new processes on a new link. "
+        f"{args.repeats} rounds of (a) then (b) in the same processes, each round in new processes on a new link"
+        + (f"; as many of (a) then (d), with net.ipv4.tcp_rto_max_ms={args.rto_max_ms} in both namespaces. "
+           if args.rto_max_ms else ". ") +
         "Rank 0's view (rank 1's is in link_stall.json). Steps during the stall: those that overlap it (from 0); "
         "the spanning step started before the stall and ended after it, so it took at least the stall. Weights: "
         "each rank's final stage weights against the undisturbed run's; losses: every step's, exactly equal.",
@@ -216,11 +226,11 @@ def write(result: dict, args) -> None:
     for row in result["rows"]:
         if row["rank"] == 0 and not row["error"]:
             lines.append(f"| {row['run']} | " + " | ".join(f"{row['seconds_per_step'][i]:.2f}" for i in around) + " |")
-    lines += ["", "(b) beyond the stall. What TCP showed on each side (`ss -tin` and `tc -s qdisc` in each namespace "
+    lines += ["", "(b) and (d) beyond the stall. What TCP showed on each side (`ss -tin` and `tc -s qdisc` in each namespace "
               "every 0.25 s from the stall's start, over the connections with unacknowledged data):", ""]
-    for n, window in enumerate(result["stall_windows"]):
-        stalled = next(r for r in result["rows"] if r["rank"] == 0 and r["run"].startswith(f"(b{n + 1})"))
-        lines.append(f"- (b{n + 1}): the spanning step took {stalled['spanning_seconds'] - args.stall:.1f} s more "
+    for window in result["stall_windows"]:
+        stalled = next(r for r in result["rows"] if r["rank"] == 0 and r["run"] == window["run"])
+        lines.append(f"- {window['run']}: the spanning step took {stalled['spanning_seconds'] - args.stall:.1f} s more "
                      "than the stall.")
         for rank, t in sorted(window["tcp"].items()):
             lines.append(f"  rank {rank}'s side: {_f(t['queued_bytes_at_stall'], 'd')} bytes queued in its tbf when "
@@ -254,24 +264,27 @@ def main(argv=None) -> None:
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--micro_batches", type=int, default=4)
     p.add_argument("--num_batches", type=int, default=4, help="distinct batches, cycled (AQ-SGD's samples)")
-    p.add_argument("--repeats", type=int, default=3, help="rounds of (a) and (b), each in new processes")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of (a) and (b) (and (d)), each in new processes")
+    p.add_argument("--rto_max_ms", type=int, default=1000,
+                   help="(d): the rounds again with net.ipv4.tcp_rto_max_ms set in both namespaces (0: none)")
     p.add_argument("--deadline", type=float, default=900.0, help="seconds before the workers are killed")
     p.add_argument("--name", default="link_stall", help="results file name in benchmarks/results/")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the namespaces are removed
     rows, windows, plains, others = [], [], [], []
-    for n in range(1, args.repeats + 1):
-        print(f"round {n}: (a{n}) undisturbed and (b{n}) stalled {args.stall:g} s, timeout {args.timeout:g} s: "
-              f"{args.steps} steps each", flush=True)
-        with tempfile.TemporaryDirectory() as out:
-            ranks, window, _, other = launch(args, out, ["plain", "stalled"], args.timeout)
-        for rank, r in enumerate(ranks):
-            rows.append(step_row(f"(a{n}) undisturbed", r["plain"], None, window, rank))
-            rows.append(step_row(f"(b{n}) stall {args.stall:g} s, timeout {args.timeout:g} s", r["stalled"],
-                                 r["plain"], window, rank))
-        windows.append(window)
-        plains.append([r["plain"] for r in ranks])
-        others.append(other)
+    for letter, cap in [("b", None)] + ([("d", args.rto_max_ms)] if args.rto_max_ms else []):
+        capped = f", tcp_rto_max_ms={cap}" if cap else ""
+        for n in range(1, args.repeats + 1):
+            label = f"({letter}{n}) stall {args.stall:g} s, timeout {args.timeout:g} s{capped}"
+            print(f"round {n}: undisturbed, then {label}: {args.steps} steps each", flush=True)
+            with tempfile.TemporaryDirectory() as out:
+                ranks, window, _, other = launch(args, out, ["plain", "stalled"], args.timeout, cap)
+            for rank, r in enumerate(ranks):
+                rows.append(step_row(f"(a{n}) undisturbed{capped}", r["plain"], None, window, rank))
+                rows.append(step_row(label, r["stalled"], r["plain"], window, rank))
+            windows.append(dict(window, run=label))
+            plains.append([r["plain"] for r in ranks])
+            others.append(other)
     print(f"(c) stalled {args.stall:g} s, timeout {args.short_timeout:g} s", flush=True)
     with tempfile.TemporaryDirectory() as out:
         short, short_window, codes, other = launch(args, out, ["stalled"], args.short_timeout)
@@ -282,7 +295,7 @@ def main(argv=None) -> None:
                   regime=regime(plains[0], args), other_cpu_share=max(*others, other),
                   short_timeout_exit_codes=codes, short_timeout_ended_by_themselves=None not in codes)
     for row in rows:
-        if row["run"].startswith("(b") and row["rank"] == 0 and (row["spanning_seconds"] or 0) < args.stall:
+        if row["run"].startswith(("(b", "(d")) and row["rank"] == 0 and (row["spanning_seconds"] or 0) < args.stall:
             print(f"WARNING: {row['run']}: no step of rank 0 spans the whole stall: the link may not have stalled")
     write(result, args)
 

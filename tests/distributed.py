@@ -94,6 +94,9 @@ def run_workers(script: str, world_size: int, args: list[str], timeout: float = 
     return results
 
 
+RTO_MAX_SYSCTL = "/proc/sys/net/ipv4/tcp_rto_max_ms"  # where this kernel has it
+
+
 def shape(ns: str, dev: str, rate: str, burst: str, latency: str = "100ms") -> None:
     """`tc tbf` on the egress of `dev` in namespace `ns`, replacing its qdisc (also to change
     the rate of a link while processes use it: tests/stall.py)."""
@@ -102,11 +105,13 @@ def shape(ns: str, dev: str, rate: str, burst: str, latency: str = "100ms") -> N
 
 
 @contextlib.contextmanager
-def linked_namespaces(mbit: float, burst: str = "16kb") -> Iterator[list[tuple[str, str, str]]]:
+def linked_namespaces(mbit: float, burst: str = "16kb",
+                      rto_max_ms: int | None = None) -> Iterator[list[tuple[str, str, str]]]:
     """Two network namespaces made for this test, joined by a veth pair whose ends are each
     shaped to `mbit` Mbit/s (tc tbf): yields [(namespace, address, interface)] for ranks 0 and 1,
     and removes both namespaces afterwards. Skips, saying why, where namespaces cannot be made
-    (not root, or no iproute2)."""
+    (not root, or no iproute2). `rto_max_ms`: TCP's largest retransmission timeout in both
+    namespaces (net.ipv4.tcp_rto_max_ms, Linux 6.15+; see RTO_MAX_SYSCTL)."""
     import pytest
 
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
@@ -133,6 +138,8 @@ def linked_namespaces(mbit: float, burst: str = "16kb") -> Iterator[list[tuple[s
             sh("ip", "-n", ns, "link", "set", dev, "up")
             sh("ip", "-n", ns, "link", "set", "lo", "up")
             shape(ns, dev, f"{mbit}mbit", burst)
+            if rto_max_ms is not None:
+                sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"net.ipv4.tcp_rto_max_ms={rto_max_ms}")
         yield ends
     finally:
         for ns in made:
