@@ -122,18 +122,24 @@ def run_ours(name, spec, args) -> dict:
                 rank_bytes_per_step=rank_bytes, counted_bytes_window=stats["bytes_sent"], **window)
 
 
-def build_peer(model, micro_batches: int, tied: bool):
+def build_peer(model, micro_batches: int, tied: bool, pipe_group=None, dp_group=None):
     """`model` split in two as a user of torch.distributed.pipelining would: this rank's stage
     module (the same modules as ours), a `step(batch)` running Schedule1F1B over it, and (with
     `tied`) this rank's copy of the tied embedding, whose gradient `step` all-reduces so that the
-    two copies stay equal. Returns (module, step, tied parameter or None)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    two copies stay equal. Returns (module, step, tied parameter or None).
 
-    rank = dist.get_rank()
+    With `pipe_group` (this rank's 2 pipeline ranks) and `dp_group` (its stage's replicas) the
+    stage module is wrapped in DDP over `dp_group`, as torchtitan does for PP x DP: PipelineStage
+    runs every micro-batch's backward but the last under `no_sync`, so DDP all-reduces once per step."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank = dist.get_rank(pipe_group) if pipe_group is not None else dist.get_rank()
     adapter = get_adapter(model)
     r = stage_ranges(adapter, Plan(num_stages=2, micro_batches=micro_batches))[rank]
     module = adapter.build_stage(r.start, r.stop, first=rank == 0, last=rank == 1)
-    stage = PipelineStage(module, stage_index=rank, num_stages=2, device=torch.device("cpu"))
+    wrapped = module if dp_group is None else DistributedDataParallel(module, process_group=dp_group)
+    stage = PipelineStage(wrapped, stage_index=rank, num_stages=2, device=torch.device("cpu"), group=pipe_group)
     copy = dict(module.named_parameters())[TIE[1] if rank == 0 else TIE[0]] if tied else None
 
     def loss_fn(logits, labels):
@@ -147,7 +153,7 @@ def build_peer(model, micro_batches: int, tied: bool):
         else:
             schedule.step(attention_mask=batch["attention_mask"], target=batch["labels"])
         if copy is not None:  # both copies get the summed gradient, so they stay equal
-            dist.all_reduce(copy.grad)
+            dist.all_reduce(copy.grad, group=pipe_group)
 
     return module, step, copy
 

@@ -49,11 +49,21 @@ import sys
 import tempfile
 
 import torch
+from diloco import shaped_star
 from finetune_quality import corpora, pretrain
 from launch import median, ratio_spread, run_workers
 from safetensors.torch import save_file
 from slow_link import LinkedNamespaces, NamespaceChain, table
-from time_to_quality_worker import AUTO, BASE, METHODS, PEER, SPLIT_POINTS
+from time_to_quality_worker import (
+    AUTO,
+    BASE,
+    BASE_DP,
+    DP_METHODS,
+    METHODS,
+    PEER,
+    PEER_DP,
+    SPLIT_POINTS,
+)
 
 from hf_actcomp.auto import bandwidth_text
 
@@ -84,9 +94,10 @@ def reached(curve: list[dict], target: float, tolerance: float) -> dict | None:
 def summarize(rows: list[dict], args) -> tuple[float, list[dict]]:
     """The target, and per method: seconds to reach it per round (median and range), the speed-up
     over torch.distributed.pipelining (ratio of the medians, with its range), and the final loss."""
-    base = [r["final_eval_loss"] for r in rows if r["method"] == BASE]
+    base_name = baseline(rows)
+    base = [r["final_eval_loss"] for r in rows if r["method"] == base_name]
     if not base and getattr(args, "stop_at_target", None) is None:
-        raise ValueError(f"the target is {BASE!r}'s final eval loss: run it, or give --stop_at_target")
+        raise ValueError(f"the target is {base_name!r}'s final eval loss: run it, or give --stop_at_target")
     target = median(base) if base else args.stop_at_target  # without BASE: the earlier run's target
     for r in rows:
         point = reached(r["curve"], target, args.tolerance)
@@ -118,15 +129,20 @@ def summarize(rows: list[dict], args) -> tuple[float, list[dict]]:
 
 
 def reference(rows: list[dict]) -> str:
-    """What speed-ups are over: torch.distributed.pipelining where it ran, else ours uncompressed,
-    else the first method run (e.g. 1F1B beside the same codecs under zbh1)."""
+    """What speed-ups are over: torch.distributed.pipelining (+ DDP) where it ran, else ours
+    uncompressed, else the first method run (e.g. 1F1B beside the same codecs under zbh1)."""
     methods = [r["method"] for r in rows]
-    return next((m for m in (PEER, BASE) if m in methods), methods[0])
+    return next((m for m in (PEER, PEER_DP, BASE, BASE_DP) if m in methods), methods[0])
+
+
+def baseline(rows: list[dict]) -> str:
+    """The uncompressed run whose final eval loss is the target: with data parallel, the 2-D one."""
+    return BASE_DP if any(r.get("replicas", 1) > 1 for r in rows) else BASE
 
 
 def fixed(summary: list[dict]) -> list[dict]:
     """The compressed methods with fixed settings (neither uncompressed nor auto)."""
-    return [s for s in summary if s["method"] not in (PEER, BASE, AUTO)]
+    return [s for s in summary if s["method"] not in (PEER, BASE, AUTO, PEER_DP, BASE_DP)]
 
 
 def auto_vs_fixed(rows: list[dict], summary: list[dict]) -> dict | None:
@@ -157,11 +173,19 @@ def median_round(mine: list[dict]) -> dict:
     return sorted(mine, key=lambda r: r["train_seconds"])[(len(mine) - 1) // 2]
 
 
-CATEGORIES = ("activations", "activation_gradients", "tie", "collectives", "probe")
-MB_COLUMNS = [f"{c.replace('_', ' ')} MB" for c in CATEGORIES]
+CATEGORIES = ("activations", "activation_gradients", "tie", "collectives", "probe", "data_parallel")
 
 
-def time_table(summary: list[dict]) -> list[str]:
+def categories_of(rows: list[dict]) -> tuple[str, ...]:
+    """The byte categories to show: data_parallel only where replicas ran."""
+    return CATEGORIES if any(r.get("replicas", 1) > 1 for r in rows) else CATEGORIES[:-1]
+
+
+def mb_columns(categories) -> list[str]:
+    return [f"{c.replace('_', ' ')} MB" for c in categories]
+
+
+def time_table(summary: list[dict], categories: tuple[str, ...]) -> list[str]:
     """Where a steady-state step's time goes (median round, epochs 2 on): each stage's seconds
     computing (including encoding) and waiting on its peer, and the bytes by category."""
     rows = [s for s in summary if s.get("steady_state")]
@@ -174,12 +198,13 @@ def time_table(summary: list[dict]) -> list[str]:
         "waiting on its peers, and MB sent per step by category over all ranks (the peer's are the tensor sizes: "
         "fp32 activations, their gradients, and the all-reduce of the tied weight; auto's probe ran in the first "
         "step, so it is 0 here: see the whole run below).",
-        ["method", "s/step", *(f"stage {k} compute / wait" for k in range(n)), *MB_COLUMNS, "MB/step", "byte ratio"])
+        ["method", "s/step", *(f"stage {k} compute / wait" for k in range(n)), *mb_columns(categories), "MB/step",
+         "byte ratio"])
     for s in rows:
         st = s["steady_state"]
         stages = [st["stages"][k] for k in sorted(st["stages"], key=int)]
         parts = " | ".join(f"{t['seconds_computing']:.3f} / {t['seconds_waiting']:.3f}" for t in stages)
-        mb = " | ".join(f"{st['categories'].get(c, {}).get('bytes_sent', 0) / 1e6:.3f}" for c in CATEGORIES)
+        mb = " | ".join(f"{st['categories'].get(c, {}).get('bytes_sent', 0) / 1e6:.3f}" for c in categories)
         lines.append(f"| {s['method']} | {max(t['seconds_step'] for t in stages):.3f} | {parts} | {mb} | "
                      f"{st['bytes_per_step'] / 1e6:.3f} | {st['byte_ratio']:.1f}x |")
     return lines
@@ -188,7 +213,7 @@ def time_table(summary: list[dict]) -> list[str]:
 def regime(summary: list[dict]) -> list[str]:
     """Link- or compute-bound, from ours-uncompressed's steady state: the stage that waits most,
     its seconds waiting on its peers against computing."""
-    base = next((s for s in summary if s["method"] == BASE and s.get("steady_state")), None)
+    base = next((s for s in summary if s["method"] in (BASE, BASE_DP) and s.get("steady_state")), None)
     if base is None:
         return []
     stages = base["steady_state"]["stages"]
@@ -201,7 +226,67 @@ def regime(summary: list[dict]) -> list[str]:
                 "the pipeline's fill and drain)."]
 
 
-def whole_run(rows: list[dict], summary: list[dict]) -> list[str]:
+def data_parallel_section(rows: list[dict], summary: list[dict], target: float) -> list[str]:
+    """Pipeline x data parallel (issue 37): per method the data-parallel bytes against DDP's, the
+    boundary bytes, the final eval loss against the uncompressed 2-D run's (the target) and the
+    peer's, the time to the peer's final loss; then the two targets, each checked."""
+    if not any(r.get("replicas", 1) > 1 for r in rows):
+        return []
+    per_step = lambda r, c: r["categories_per_step"].get(c, 0.0)  # noqa: E731
+    boundary = lambda r: sum(per_step(r, c) for c in ("activations", "activation_gradients", "tie"))  # noqa: E731
+    peer_rows = [r for r in rows if r["method"] == PEER_DP]
+    peer_dp = median([per_step(r, "data_parallel") for r in peer_rows]) if peer_rows else None
+    peer_final = median([r["final_eval_loss"] for r in peer_rows]) if peer_rows else None
+    peer_steps = peer_rows[0]["steps"] if peer_rows else None
+    lines = table(
+        "Data parallel (over all ranks, whole run, median over the rounds): MB per step between replicas and its "
+        "ratio to DDP's, MB per step across the pipeline boundary (activations, their gradients, tied rows), the "
+        "eval loss after as many steps as the peer ran (the same samples; compressed methods may train longer) "
+        f"against the target ({target:.4f}, ours uncompressed + all-reduce) and against the peer's final loss, "
+        "and the training seconds to the peer's final loss (first evaluation within the tolerance; "
+        "speed-up: ratio of the medians [range]).",
+        ["method", "DP MB/step", "DDP's DP bytes / these", "boundary MB/step", "eval loss after the peer's steps",
+         "vs target",
+         "vs peer's final", "s to peer's final loss", "speed-up to peer's loss"])
+    peer_times = [(p := reached(r["curve"], peer_final, 0.0005)) and p["seconds"] for r in peer_rows]
+    checks = []
+    for s in summary:
+        mine = [r for r in rows if r["method"] == s["method"]]
+        dp_mb = median([per_step(r, "data_parallel") for r in mine])
+        ratio = peer_dp / dp_mb if peer_dp and dp_mb else None
+        final = median([at_step(r, peer_steps) for r in mine]) if peer_rows else s["final_eval_loss"]
+        times = [(p := reached(r["curve"], peer_final, 0.0005)) and p["seconds"] for r in mine] if peer_rows else []
+        done = bool(times) and None not in times and None not in peer_times
+        speedup = ratio_spread(peer_times, times) if done else None
+        checks.append(dict(method=s["method"], dp_ratio=ratio, final=final, speedup=speedup,
+                           vs_target=100 * (final / target - 1),
+                           vs_peer=100 * (final / peer_final - 1) if peer_final else None))
+        lines.append(
+            f"| {s['method']} | {dp_mb / 1e6:.4f} | {'-' if ratio is None else f'{ratio:.0f}x'} | "
+            f"{median([boundary(r) for r in mine]) / 1e6:.3f} | {final:.4f} | {checks[-1]['vs_target']:+.2f}% | "
+            + ("-" if peer_final is None else f"{checks[-1]['vs_peer']:+.2f}%") + " | "
+            + (f"{median(times):.1f} [{min(times):.1f}-{max(times):.1f}]" if done else "not reached") + " | "
+            + (f"{speedup[0]:.2f}x [{speedup[1]:.2f}-{speedup[2]:.2f}]" if speedup else "-") + " |")
+    fast = [s for s, c in zip(summary, checks, strict=True) if s["speedup_vs_peer"] is not None
+            and s["speedup_vs_peer"] >= 4.9 and c["final"] <= target * 1.003]
+    frugal = [c for c in checks if c["dp_ratio"] and c["dp_ratio"] >= 100 and c["speedup"] and c["speedup"][0] > 1
+              and c["vs_peer"] is not None and c["vs_peer"] <= 1.0]
+    names = lambda xs: ", ".join(x["method"] for x in xs) or "none"  # noqa: E731
+    return lines + [
+        "", "Targets (issue 37), on this run's link:",
+        f"- reaching the target >= 4.9x sooner than {PEER_DP} with the eval loss after the peer's steps within 0.3% "
+        "of the target: "
+        f"**{names(fast)}**.",
+        f"- reaching DDP's (the peer's) final eval loss sooner with >= 100x fewer data-parallel bytes and, after "
+        f"the same steps, within 1% of it: **{names(frugal)}**."]
+
+
+def at_step(row: dict, step: int) -> float:
+    """`row`'s eval loss at `step` (an evaluation point), else its last before it."""
+    return [p["eval_loss"] for p in row["curve"] if p["step"] <= step][-1]
+
+
+def whole_run(rows: list[dict], summary: list[dict], categories: tuple[str, ...]) -> list[str]:
     """MB per category over the whole run (median round by training time; the probe's bytes
     included), with the run's steps and training seconds."""
     mine = [median_round([r for r in rows if r["method"] == s["method"]]) for s in summary]
@@ -209,9 +294,10 @@ def whole_run(rows: list[dict], summary: list[dict]) -> list[str]:
     if not mine:
         return []
     lines = table("The whole run (median round by training time): steps, training seconds (probe included), and MB "
-                  "sent by category over all ranks.", ["method", "steps", "training s", *MB_COLUMNS, "total MB"])
+                  "sent by category over all ranks.", ["method", "steps", "training s", *mb_columns(categories),
+                                                       "total MB"])
     for r in mine:
-        mb = " | ".join(f"{r['categories'].get(c, 0) / 1e6:.3f}" for c in CATEGORIES)
+        mb = " | ".join(f"{r['categories'].get(c, 0) / 1e6:.3f}" for c in categories)
         lines.append(f"| {r['method']} | {r['steps']} | {r['train_seconds']:.1f} | {mb} | "
                      f"{sum(r['categories'].values()) / 1e6:.3f} |")
     return lines
@@ -272,6 +358,18 @@ def analysis(path: str) -> list[str]:
     return ["", *text[at + 1:].rstrip("\n").split("\n")] if at >= 0 else []
 
 
+def layout(args, split: str) -> str:
+    """The processes and how they are laid out, for the results' first paragraph."""
+    stages, replicas = getattr(args, "stages", 2), getattr(args, "replicas", 1)
+    if replicas == 1:
+        return f"{stages} processes (1 CPU thread each{split})"
+    return (f"{stages} stages x {replicas} replicas = {stages * replicas} processes (1 CPU thread each, sharing this "
+            f"machine's CPUs; rank r is stage r % {stages} of replica r // {stages}), each replica on its contiguous "
+            f"half of the training blocks in its own order, stepping on {args.batch_size // replicas} of the global "
+            f"batch; every process in its own network namespace, joined to a bridge by a veth shaped at the worker "
+            f"end (pipeline and data-parallel traffic share it)")
+
+
 def write(rows: list[dict], meta: dict) -> None:
     args = argparse.Namespace(**meta["args"])
     stages = getattr(args, "stages", 2)
@@ -285,9 +383,9 @@ def write(rows: list[dict], meta: dict) -> None:
         f"vocab {meta['vocab']}, tied embeddings) on {meta['train_blocks']} blocks of {args.seq_len} tokens of stdlib "
         f"source, batch {args.batch_size} in {args.micro_batches} micro-batches, 1F1B (zero-bubble H1 where the "
         f"method says zbh1), AdamW lr {args.lr}, seed "
-        f"{args.seed}; {stages} processes (1 CPU thread each{split}) on the link **{meta['link']}**. Target: ours-uncompressed's "
+        f"{args.seed}; {layout(args, split)} on the link **{meta['link']}**. Target: {baseline(rows)}'s "
         f"eval loss after {args.epochs} epochs, {target:.4f} ("
-        + (f"median of {args.repeats} rounds" if any(r["method"] == BASE for r in rows) else
+        + (f"median of {args.repeats} rounds" if any(r["method"] == baseline(rows) for r in rows) else
            "from an earlier run, given as --stop_at_target; not run again here")
         + f"; {meta['eval_blocks']} held-out blocks, plain inference); a run reaches it at its first evaluation (every {args.eval_every} steps) "
         f"at most {100 * args.tolerance:.2f}% above it. Seconds count training only (the clock stops for "
@@ -314,7 +412,9 @@ def write(rows: list[dict], meta: dict) -> None:
                      f"{s['bytes_per_step'] / 1e6:.3f} | {s['byte_ratio']:.1f}x | {s['final_eval_loss']:.4f} "
                      f"({'stopped at the target' if s.get('stopped_at_target') else s['epochs']}) | "
                      f"{100 * s['other_cpu_share']:.0f}% |")
-    lines += regime(summary) + auto_section(rows, summary) + time_table(summary) + whole_run(rows, summary)
+    categories = categories_of(rows)
+    lines += regime(summary) + data_parallel_section(rows, summary, target)
+    lines += auto_section(rows, summary) + time_table(summary, categories) + whole_run(rows, summary, categories)
     lines += analysis(os.path.join(RESULTS, f"{args.name}.md"))
     with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -365,7 +465,11 @@ def main(argv=None) -> None:
                    help="pipeline stages, one process and namespace each (3: torch.distributed.pipelining not run)")
     p.add_argument("--shaped", type=int, nargs="+", default=None,
                    help="the boundaries shaped to --rate (default: all); the others are unshaped veth pairs")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--replicas", type=int, default=1,
+                   help="data-parallel pipelines (2: pipeline x data parallel, the methods of DP_METHODS, a star of "
+                        "stages x replicas namespaces)")
+    p.add_argument("--methods", nargs="+", default=None, choices=[*METHODS, *DP_METHODS],
+                   help="default: METHODS, or DP_METHODS with --replicas 2")
     p.add_argument("--epochs", type=int, default=4, help="the uncompressed fine-tune (finetune_quality.py's)")
     p.add_argument("--max_epochs", type=int, default=6, help="the most a compressed setting may train")
     p.add_argument("--eval_every", type=int, default=8, help="steps between evaluations")
@@ -399,12 +503,17 @@ def main(argv=None) -> None:
             saved = json.load(f)
         write(saved["rows"], saved["meta"])
         return
+    if args.methods is None:
+        args.methods = list(METHODS if args.replicas == 1 else DP_METHODS)
+    wrong = [m for m in args.methods if (m in DP_METHODS) != (args.replicas > 1)]
+    if wrong:
+        p.error(f"--replicas {args.replicas} runs {'DP_METHODS' if args.replicas > 1 else 'METHODS'}, not {wrong}")
     if args.quick:
         args.pretrain_epochs, args.epochs, args.max_epochs, args.train_samples, args.eval_samples = 1, 1, 2, 128, 64
         args.repeats, args.name = 1, f"{args.name}_quick"
         if args.methods == list(METHODS):
             args.methods = [PEER, BASE, "ours, AQ-SGD fw2/bw4"]
-    if args.stages != 2 and PEER in args.methods:
+    if args.stages != 2 and {PEER, PEER_DP} & set(args.methods):
         p.error(f"{PEER} runs on 2 stages only")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the namespaces are removed
     link = "loopback (unshaped)" if args.loopback else f"{args.rate} Mbit/s"
@@ -421,10 +530,14 @@ def main(argv=None) -> None:
             worker_args.append(f"--stop_below={args.stop_at_target * (1 + args.tolerance)}")
         worker_args += [f"--{k}={getattr(args, k)}" for k in ("epochs", "max_epochs", "eval_every", "batch_size",
                                                                "micro_batches", "seq_len", "lr", "seed", "repeats",
-                                                               "stages")]
+                                                               "stages", "replicas")]
         port = 29600 + os.getpid() % 1000
+        world = args.stages * args.replicas
         if args.loopback:
-            rows = run_workers(WORKER, args.stages, link, worker_args, None, port, args.timeout)["rows"]
+            rows = run_workers(WORKER, world, link, worker_args, None, port, args.timeout)["rows"]
+        elif args.replicas > 1:  # every rank's veth shaped: pipeline and data-parallel links alike
+            with shaped_star(world, args.rate) as net:
+                rows = run_workers(WORKER, world, link, worker_args, net, port, args.timeout)["rows"]
         elif args.stages == 2 and args.shaped is None:  # as the earlier runs
             with LinkedNamespaces() as net:
                 net.shape(args.rate)

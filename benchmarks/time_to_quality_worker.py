@@ -17,6 +17,14 @@ its bytes in its counts, as they are part of what auto costs). The uncompressed 
 `--epochs` (the fine-tune of benchmarks/finetune_quality.py); the compressed ones up to
 `--max_epochs`, so that a setting slightly worse per step can still show when it gets there.
 `--stages 3` splits the model at blocks 1 and 3 instead of 2.
+
+`--replicas 2` (issue 37: pipeline x data parallel) runs 2 pipelines of `--stages` ranks on
+contiguous halves of the training blocks, each replica its own shuffled order, `--batch_size`
+the global batch (each replica steps on half of it). Rank r is stage r % S of replica r // S, as
+hf-actcomp lays them out. The peer is torch.distributed.pipelining with each stage module in
+DDP over its replicas (as torchtitan composes PP x DP); ours runs `Plan(data_parallel=2,
+dp_compression=...)` (DP_METHODS). Every replica evaluates its own weights; a curve point is the
+worst replica's loss (DiLoCo's replicas differ between syncs).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 from convergence import make_model
+from diloco_worker import interface_address
 from launch import busy_cpu_seconds, other_cpu_share, round_order
 from safetensors.torch import load_file, save_file
 from slow_link_worker import TIE, build_peer
@@ -36,7 +45,7 @@ from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 import hf_actcomp
-from hf_actcomp import Compression, MemoryConfig, Plan
+from hf_actcomp import Compression, MemoryConfig, Plan, dp
 
 PEER = "torch.distributed.pipelining"
 BASE = "ours, uncompressed"
@@ -64,7 +73,28 @@ METHODS: dict[str, tuple | None] = {
     AUTO: None,  # Plan.auto(quality="safe", aqsgd=True): chosen per boundary direction, and the tie's codec
 }
 SPLIT_POINTS = {2: [2], 3: [1, 3]}  # of the 4 blocks
-UNCOMPRESSED = (PEER, BASE)
+# Pipeline x data parallel (--replicas 2): (boundary codecs as in METHODS or None, dp_compression).
+PEER_DP = "torch.distributed.pipelining + DDP"
+BASE_DP = "ours, uncompressed + all-reduce"
+AQ = (warm(2), q(4), q(4))  # the fastest setting to the target at 10 Mbit/s on one pipeline
+INT8 = {"method": "quantize", "bits": 8}
+PLAIN = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}  # DiLoCo as model averaging (benchmarks/results/diloco.md)
+DP_METHODS: dict[str, tuple | None] = {
+    PEER_DP: None,
+    BASE_DP: ((Compression("none"), Compression("none")), "allreduce"),
+    "ours, AQ-SGD + PowerSGD rank 4": (AQ, {"method": "powersgd", "matrix_approximation_rank": 4,
+                                            "start_powerSGD_iter": 10}),
+    "ours, AQ-SGD + TopK 1% EF": (AQ, {"method": "topk", "ratio": 0.01}),
+    "ours, AQ-SGD + DiLoCo H=8 int8": (AQ, {"method": "diloco", "sync_every": 8, **PLAIN, "compression": INT8}),
+    "ours, AQ-SGD + DiLoCo H=32 int8": (AQ, {"method": "diloco", "sync_every": 32, **PLAIN, "compression": INT8}),
+    "ours, AQ-SGD + Streaming DiLoCo H=8, 2 fragments, delay 1, int8": (
+        AQ, {"method": "diloco", "sync_every": 8, "fragments": 2, "fragment_sync_delay": 1, **PLAIN,
+             "compression": INT8}),
+    "ours, AQ-SGD + DiLoCo H=8 top 2% 2-bit": (
+        AQ, {"method": "diloco", "sync_every": 8, **PLAIN, "compression": {"method": "topk_quantize", "ratio": 0.02,
+                                                                         "bits": 2}}),
+}
+UNCOMPRESSED = (PEER, BASE, PEER_DP, BASE_DP)
 
 
 def load_data(path: str) -> tuple[dict, dict, dict, int]:
@@ -90,38 +120,43 @@ class Rows(torch.utils.data.Dataset):
 
 
 class Evaluator:
-    """Eval loss of the whole model from the stages' weights, half the blocks on each of ranks 0
-    and 1 (with 3 stages too, so that the loss is summed exactly as with 2)."""
+    """Eval loss of each replica's whole model from its stages' weights, half the blocks on each of
+    its stages 0 and 1 (with 3 stages too, so that the loss is summed exactly as with 2). Returns
+    the worst replica's loss; `losses` keeps every replica's."""
 
     def __init__(self, evaluation: dict, vocab: int, args) -> None:
-        self.rank = dist.get_rank()
+        rank = dist.get_rank()
+        self.stages, self.replicas = args.stages, args.replicas
+        self.stage, self.replica = rank % args.stages, rank // args.stages
         self.model = make_model(vocab, args.seq_len, seed=0).eval()
         self.expected = set(self.model.state_dict()) - {TIE[1]}  # wte is lm_head.weight
-        rows = {k: v[self.rank::2] if self.rank < 2 else v[:0] for k, v in evaluation.items()}
+        rows = {k: v[self.stage::2] if self.stage < 2 else v[:0] for k, v in evaluation.items()}
         self.loader = DataLoader(Rows(rows), batch_size=32, collate_fn=default_data_collator)
         self.scratch = args.scratch
+        self.losses: list[float] = []
 
     def __call__(self, stage_state: dict[str, torch.Tensor]) -> float:
         """The tied embedding is the last stage's `lm_head.weight`: hf-actcomp's owner copy (the
         first stage's copy is refreshed only in the rows of each batch's tokens before its
         forward), and equal to the first stage's copy in the peer (all-reduced gradients)."""
-        path = lambda r: os.path.join(self.scratch, f"stage{r}.safetensors")  # noqa: E731
-        save_file({k: v.detach().clone().contiguous() for k, v in stage_state.items()}, path(self.rank))
+        path = lambda s: os.path.join(self.scratch, f"replica{self.replica}_stage{s}.safetensors")  # noqa: E731
+        save_file({k: v.detach().clone().contiguous() for k, v in stage_state.items()}, path(self.stage))
         dist.barrier()
-        *others, last = [load_file(path(r)) for r in range(dist.get_world_size())]
+        *others, last = [load_file(path(s)) for s in range(self.stages)]
         weights = {**{k: v for part in others for k, v in part.items() if k != TIE[1]}, **last}
         if set(weights) != self.expected:
             raise RuntimeError(f"the stages' weights do not make the model: {sorted(set(weights) ^ self.expected)}")
         self.model.load_state_dict(weights, strict=False)
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(self.replicas, 2, dtype=torch.float64)
         with torch.no_grad():
             for batch in self.loader:
                 n = int((batch["labels"][:, 1:] != -100).sum())
-                total[0] += self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                       labels=batch["labels"]).loss.item() * n
-                total[1] += n
-        dist.all_reduce(total)  # also keeps either rank from overwriting its file while the other reads
-        return (total[0] / total[1]).item()
+                total[self.replica, 0] += self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                                     labels=batch["labels"]).loss.item() * n
+                total[self.replica, 1] += n
+        dist.all_reduce(total)  # also keeps any rank from overwriting its file while another reads
+        self.losses = (total[:, 0] / total[:, 1]).tolist()
+        return max(self.losses)
 
 
 class Clock:
@@ -149,29 +184,87 @@ class Clock:
         return other_cpu_share(self.busy, own, self.seconds)
 
 
+def replica_rows(train: dict, args) -> Rows:
+    """This rank's replica's training blocks: a contiguous share (`Pipeline.shard_dataset`'s cut)."""
+    n = len(Rows(train)) // args.replicas
+    replica = dist.get_rank() // args.stages
+    return Rows({k: v[replica * n:(replica + 1) * n] for k, v in train.items()})
+
+
+def build_ours(name: str, train: dict, args):
+    """`hf_actcomp.prepare` with the method's plan (METHODS, or DP_METHODS with --replicas 2)."""
+    common = dict(num_stages=args.stages, micro_batches=args.micro_batches, split_points=SPLIT_POINTS[args.stages],
+                  schedule="zbh1" if name.endswith(ZBH1) else "1f1b",
+                  memory=MemoryConfig(num_samples=len(Rows(train)), store="host", dtype="fp16"))
+    if name == AUTO:  # the tie's codec left unset: auto chooses it
+        return Plan.auto(quality="safe", aqsgd=True, **common)
+    if name in DP_METHODS:
+        (forward, backward, *tie), dp_compression = DP_METHODS[name]
+        common.update(data_parallel=args.replicas, dp_compression=dp_compression)
+    else:
+        forward, backward, *tie = METHODS[name]
+    return Plan(forward=forward, backward=backward, tie_compression=tie[0] if tie else None, **common)
+
+
+def peer_bytes(module: torch.nn.Module, model, batch_rows: int, args) -> dict[str, float]:
+    """What the peer sends per step over all ranks, by category (tensor sizes; the ring formulas):
+    fp32 activations and their gradients per pipeline, the all-reduce of the tied weight between
+    each pipeline's 2 stages, and DDP's all-reduce of every stage's gradients over its replicas."""
+    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    stage_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    own: list = [None] * dist.get_world_size()
+    dist.all_gather_object(own, dp.ring_allreduce_bytes(stage_bytes, args.replicas))
+    activations = args.replicas * batch_rows * args.seq_len * hidden * 4
+    categories = dict(activations=activations, activation_gradients=activations,
+                      tie=args.replicas * 2 * vocab * hidden * 4)
+    if args.replicas > 1:
+        categories["data_parallel"] = sum(own)
+    return categories
+
+
+def world_stats(pipe) -> dict:
+    """`pipe.stats(gather=True)` with the bytes summed over every replica's pipeline (each rank's
+    own counters, all-gathered over the world): the stages' timings stay this replica's."""
+    stats = pipe.stats(gather=True)
+    if dist.get_world_size() == pipe.mesh.num_stages:
+        return stats
+    mine: list = [None] * dist.get_world_size()
+    dist.all_gather_object(mine, pipe.stats()["categories"])
+    categories: dict = {}
+    for part in mine:
+        for k, c in part.items():
+            entry = categories.setdefault(k, {"bytes_sent": 0, "bytes_uncompressed": 0})
+            entry["bytes_sent"] += c["bytes_sent"]
+            entry["bytes_uncompressed"] += c["bytes_uncompressed"]
+    sent = sum(c["bytes_sent"] for c in categories.values())
+    raw = sum(c["bytes_uncompressed"] for c in categories.values())
+    return {**stats, "categories": categories, "bytes_sent": sent, "compression_ratio": raw / sent if sent else 1.0}
+
+
 def run(name: str, data, args) -> dict:
     train, evaluation, weights, vocab = data
     model = make_model(vocab, args.seq_len, args.seed)
     model.load_state_dict(weights, strict=False)  # lm_head.weight is the tied wte
-    if name == PEER:
-        module, peer_step, _ = build_peer(model, args.micro_batches, tied=True)
+    rows = replica_rows(train, args)
+    batch_rows = args.batch_size // args.replicas
+    pipe = None
+    if name in (PEER, PEER_DP):
+        groups = replica_groups(args) if args.replicas > 1 else (None, None)
+        module, peer_step, _ = build_peer(model, args.micro_batches, tied=True, pipe_group=groups[0],
+                                          dp_group=groups[1])
         params, state = module.parameters(), module.state_dict
     else:
-        common = dict(num_stages=args.stages, micro_batches=args.micro_batches, split_points=SPLIT_POINTS[args.stages],
-                      schedule="zbh1" if name.endswith(ZBH1) else "1f1b", memory=MemoryConfig(num_samples=len(Rows(train)), store="host", dtype="fp16"))
-        if name == AUTO:  # the tie's codec left unset: auto chooses it
-            plan = Plan.auto(quality="safe", aqsgd=True, **common)
-        else:
-            forward, backward, *tie = METHODS[name]
-            plan = Plan(forward=forward, backward=backward, tie_compression=tie[0] if tie else None, **common)
-        pipe = hf_actcomp.prepare(model, plan, timeout=600, track_error=False)
+        pipe = hf_actcomp.prepare(model, build_ours(name, train, args), timeout=600, track_error=False)
         params, state = pipe.parameters(), pipe.stage.state_dict
     torch.manual_seed(args.seed)
     optimizer = torch.optim.AdamW(params, lr=args.lr)
-    loader = DataLoader(Rows(train), batch_size=args.batch_size, shuffle=True, drop_last=True,
-                        collate_fn=default_data_collator, generator=torch.Generator().manual_seed(args.seed))
+    if pipe is not None:
+        pipe.attach_optimizer(optimizer)  # DiLoCo's outer step runs after every H of its steps
+    seed = args.seed + 1000 * (dist.get_rank() // args.stages)  # each replica its own order
+    loader = DataLoader(rows, batch_size=batch_rows, shuffle=True, drop_last=True,
+                        collate_fn=default_data_collator, generator=torch.Generator().manual_seed(seed))
     evaluate = Evaluator(evaluation, vocab, args)
-    curve = [dict(seconds=0.0, step=0, eval_loss=evaluate(state()))]
+    curve = [dict(seconds=0.0, step=0, eval_loss=evaluate(state()), losses=evaluate.losses)]
     clock, step = Clock(), 0
     epochs = args.epochs if name in UNCOMPRESSED else args.max_epochs
     after_first_epoch = None
@@ -180,12 +273,12 @@ def run(name: str, data, args) -> dict:
     for epoch in range(epochs):
         if stop is not None and curve[-1]["eval_loss"] <= stop:
             break
-        if epoch == 1 and name != PEER:  # AQ-SGD's memory is full from here on: the steady state
+        if epoch == 1 and pipe is not None:  # AQ-SGD's memory is full from here on: the steady state
             clock.stop()
-            after_first_epoch = (step, pipe.stats(gather=True))
+            after_first_epoch = (step, world_stats(pipe))
             clock.start()
         for batch in loader:
-            if name == PEER:
+            if pipe is None:
                 peer_step(batch)
             else:
                 pipe.train_step(batch)
@@ -194,26 +287,46 @@ def run(name: str, data, args) -> dict:
             step += 1
             if step % args.eval_every == 0 or step == epochs * len(loader):
                 clock.stop()
-                curve.append(dict(seconds=clock.seconds, step=step, eval_loss=evaluate(state())))
+                curve.append(dict(seconds=clock.seconds, step=step, eval_loss=evaluate(state()),
+                                  losses=evaluate.losses))
                 clock.start()
                 if stop is not None and curve[-1]["eval_loss"] <= stop:
                     break
     clock.stop()
-    if name == PEER:  # fp32 activations and their gradients, and the ring all-reduce of the tie on 2 ranks
-        hidden = model.config.hidden_size
-        sent = 2 * args.batch_size * args.seq_len * hidden * 4 + 2 * vocab * hidden * 4
-        traffic = dict(bytes_per_step=sent, byte_ratio=1.0)
+    if pipe is None:
+        categories = peer_bytes(module, model, batch_rows, args)
+        traffic = dict(bytes_per_step=sum(categories.values()), byte_ratio=1.0, categories_per_step=categories)
     else:
-        stats = pipe.stats(gather=True)
+        stats = world_stats(pipe)
         traffic = dict(bytes_per_step=stats["bytes_sent"] / step, byte_ratio=stats["compression_ratio"],
                        categories={c: v["bytes_sent"] for c, v in stats["categories"].items()},
                        steady_state=steady_state(stats, *after_first_epoch, step) if after_first_epoch else None)
+        traffic["categories_per_step"] = {c: v / step for c, v in traffic["categories"].items()}
         if name == AUTO:
             traffic["auto"] = auto_summary(stats)
+        if pipe.outer is not None:
+            traffic["outer_sync_seconds"] = max(t.get("seconds_outer_sync", 0.0) for t in stats["stages"].values())
+            pipe.outer.close()
     return dict(method=name, steps=step, epochs=epochs, train_seconds=clock.seconds, curve=curve,
                 stopped_at_target=stop is not None and curve[-1]["eval_loss"] <= stop,
-                final_eval_loss=curve[-1]["eval_loss"],
+                final_eval_loss=curve[-1]["eval_loss"], replicas=args.replicas,
                 other_cpu_share=clock.other_cpu_share(), **traffic)
+
+
+_GROUPS: tuple | None = None
+
+
+def replica_groups(args) -> tuple:
+    """(this rank's pipeline group, its stage's data-parallel group), made once: every rank must
+    create every group, in the same order."""
+    global _GROUPS
+    if _GROUPS is None:
+        world, s = dist.get_world_size(), args.stages
+        pipes = [dist.new_group(list(range(r * s, (r + 1) * s))) for r in range(world // s)]
+        stages = [dist.new_group(list(range(k, world, s))) for k in range(s)]
+        rank = dist.get_rank()
+        _GROUPS = (pipes[rank // s], stages[rank % s])
+    return _GROUPS
 
 
 def auto_summary(stats: dict) -> dict:
@@ -253,7 +366,8 @@ def main() -> None:
     p.add_argument("--link", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--scratch", required=True)
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=[*METHODS, *DP_METHODS])
+    p.add_argument("--replicas", type=int, default=1, help="data-parallel pipelines (2: DP_METHODS)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--max_epochs", type=int, default=6)
     p.add_argument("--eval_every", type=int, default=8)
@@ -268,6 +382,9 @@ def main() -> None:
                    help="compressed methods stop at the first evaluation at or below this loss")
     args = p.parse_args()
     torch.set_num_threads(1)
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    if ifname != "lo":  # inside a namespace: torchft's servers (DiLoCo) bind to this namespace's address
+        os.environ[hf_actcomp.dp.outer.HOST_ENV] = interface_address(ifname)
     dist.init_process_group("gloo")
     data = load_data(args.data)
     runs = []
@@ -286,6 +403,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": runs}, f, indent=1)
     dist.destroy_process_group()
+    os._exit(0)  # torchft's threads (DiLoCo) must not keep the process alive
 
 
 if __name__ == "__main__":

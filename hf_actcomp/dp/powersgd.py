@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -11,8 +12,38 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from .base import ring_allreduce_bytes
 
 
+class _FlatBucket:
+    """What torch's PowerSGD hook reads of a `GradBucket`, for one flat buffer of a step's
+    gradients: bucket 0, the step's last, its per-parameter gradients views of the buffer (the
+    hook writes the decompressed result into them and returns the buffer)."""
+
+    def __init__(self, flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+        self._flat, self._params = flat, list(params)
+        pieces = flat.split([p.numel() for p in self._params])
+        self._grads = [g.view(p.shape) for g, p in zip(pieces, self._params, strict=True)]
+
+    def buffer(self) -> torch.Tensor:
+        return self._flat
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._grads
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+
 class PowerSGDCompressor:
     """Wraps `torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState`.
+
+    As a DDP hook (`hf_actcomp.dp.register`) it sees DDP's buckets; inside a pipeline
+    (`Plan(dp_compression="powersgd")`) `reduce` hands it each step's gradients as one flat
+    bucket, whose layout (name order) never changes, so its state is stable across resumes.
 
     Bytes are estimated from the buffers torch all-reduces: the rank-r factors P and Q of each
     compressed matrix (and the uncompressed 1-D tensors), counted with the ring formula.
@@ -52,6 +83,14 @@ class PowerSGDCompressor:
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         future.set_result(result)
         return future
+
+    def reduce(self, flat: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The average of `flat` (the concatenated gradients of `params`, in order) over the
+        group, compressed by torch's hook: the pipeline's data-parallel sync calls this once a step."""
+        return self.hook(_FlatBucket(flat, params)).wait()
+
+    def end_step(self) -> None:
+        """Nothing to do: `hook` counts the step at its last bucket, and `reduce`'s is the last."""
 
     def _wire_bytes(self, bucket) -> int:
         if self.torch_state.iter < self.torch_state.start_powerSGD_iter:

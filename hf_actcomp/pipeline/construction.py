@@ -74,14 +74,11 @@ def check_arguments(plan: Plan, *, timeout: float, autocast_dtype: torch.dtype |
 
 def split_model(model: nn.Module, plan: Plan) -> tuple[ModelAdapter, list[range], list[tuple[str, str]]]:
     """The model's adapter, every stage's blocks and the tied pairs; an unsupported family, split
-    or tie fails here, on every rank alike, and then a data-parallel hook that cannot run here."""
+    or tie fails here, on every rank alike."""
     adapter = get_adapter(model)
     ranges = stage_ranges(adapter, plan)
     tied_pairs = adapter.tied_weights()
     check_tied_embeddings(model, tied_pairs)
-    if plan.data_parallel > 1 and plan.dp_hook()[0] == "powersgd":
-        raise ValueError("Plan.dp_compression='powersgd' is torch's DDP hook; inside prepare() use one of "
-                         "allreduce, dgc, ef_sign, marsit, qsgd, randk, topk.")
     return adapter, ranges, tied_pairs
 
 

@@ -267,7 +267,8 @@ def two_d(out_dir: str, hook: str) -> None:
     """S=2 x D=2: replica r trains on rows [4r, 4r+4) of one global batch of 8 (with a compressed
     hook: AQ-SGD on the boundary, each replica keeping memory for its 4 sample ids only)."""
     model = debug_model("gpt2", seed=0)
-    dp_compression = "allreduce" if hook == "allreduce" else {"method": hook, "ratio": 0.1}
+    dp_compression = {"allreduce": "allreduce", "topk": {"method": "topk", "ratio": 0.1},
+                      "powersgd": {"method": "powersgd", "matrix_approximation_rank": 2, "start_powerSGD_iter": 2}}[hook]
     aqsgd = {} if hook == "allreduce" else dict(forward=Compression("aqsgd", bits=4),
                                                 memory=MemoryConfig(num_samples=8))
     plan = Plan(num_stages=2, data_parallel=2, micro_batches=2, dp_compression=dp_compression, **aqsgd)
