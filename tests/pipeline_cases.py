@@ -25,10 +25,19 @@ def exact_schedules(case: str) -> tuple[str, ...]:
 
 def exact_runs(num_stages: int) -> list[tuple[str, str]]:
     """(case, schedule) pairs the exactness test runs: every case and its schedules on 2 and 3
-    stages; on 4 stages (one block each), zero-bubble H1 for a tied, an untied and the MoE case."""
+    stages, and zero-bubble H1 with 4 micro-batches for a tied and an untied case ("zbh1-m4":
+    the first stage then splits some backwards, running them whole at `W`); on 4 stages (one
+    block each), zero-bubble H1 for a tied, an untied and the MoE case."""
     if num_stages == 4:
         return [(case, "zbh1") for case in ("gpt2", "llama", "mixtral-aux")]
-    return [(case, schedule) for case in EXACT_CASES for schedule in exact_schedules(case)]
+    more_micro_batches = [("gpt2", "zbh1-m4"), ("llama", "zbh1-m4")]
+    return [(case, schedule) for case in EXACT_CASES for schedule in exact_schedules(case)] + more_micro_batches
+
+
+def schedule_of(run: str, num_stages: int) -> tuple[str, int]:
+    """(schedule, micro-batches) of an exact run's schedule name: `zbh1-m4` is zbh1 with 4."""
+    schedule, _, micro_batches = run.partition("-m")
+    return schedule, int(micro_batches) if micro_batches else num_stages
 
 def reference_loss(model, batch: dict, micro_batches: int) -> torch.Tensor:
     """The unsplit model's loss as a pipeline of `micro_batches` computes it: the token mean over

@@ -63,6 +63,7 @@ class StageRunner:
         self.ends: dict[str, Boundary] = {}
         self.links: dict[str, StageLink] = {}
         self.weight_gradients = WeightGradients()  # zbh1: what each micro-batch's `W` needs, from its `B`
+        self.held: dict[int, tuple] = {}  # zbh1 on the first stage: a split `B`'s received gradient, for its `W`
         self.use(plan)  # sets `plan`, `ends` and `links`
 
     @property
@@ -207,24 +208,36 @@ class StageRunner:
     def backward(self, i: int, x: torch.Tensor, out: torch.Tensor, probs: torch.Tensor | None, pair: bool,
                  split: bool = False) -> None:
         """Micro-batch `i`'s backward, sending the input's gradient upstream. `split` (a `B`
-        whose `W` comes later): the linear layers' weight gradients wait for its `W`."""
-        deferring = self.weight_gradients.deferring(i) if split and not self.is_first else contextlib.nullcontext()
-        router_grad = None
-        with deferring:
-            if self.is_last:
-                out.backward()  # `out` is this micro-batch's loss
-                router_grad = None if probs is None else probs.grad
-            else:
-                grad, router_grad = self.links["backward_in"].receive(i, out.shape)
-                if probs is not None and probs.requires_grad:
-                    torch.autograd.backward([out, probs], [grad.to(out.dtype), router_grad])
-                else:
-                    out.backward(grad.to(out.dtype))
-        if self.is_first:
+        whose `W` comes later): the linear layers' weight gradients wait for its `W`; on the
+        first stage, which has no input gradient to send, the whole backward waits for it."""
+        received = None if self.is_last else self.links["backward_in"].receive(i, out.shape)
+        if split and self.is_first:
+            self.held[i] = (out, probs, received)
             return
-        self.links["backward_out"].send(i, x.grad, router_grad, with_next_recv=pair)
+        deferring = self.weight_gradients.deferring(i) if split else contextlib.nullcontext()
+        with deferring:
+            router_grad = self._backward(out, probs, received)
+        if not self.is_first:
+            self.links["backward_out"].send(i, x.grad, router_grad, with_next_recv=pair)
+
+    @staticmethod
+    def _backward(out: torch.Tensor, probs: torch.Tensor | None, received: tuple | None) -> torch.Tensor | None:
+        """Backward from `out` (the loss on the last stage, else with the received gradient);
+        returns the router probabilities' gradient to send on, if any."""
+        if received is None:  # `out` is this micro-batch's loss
+            out.backward()
+            return None if probs is None else probs.grad
+        grad, router_grad = received
+        if probs is not None and probs.requires_grad:
+            torch.autograd.backward([out, probs], [grad.to(out.dtype), router_grad])
+        else:
+            out.backward(grad.to(out.dtype))
+        return router_grad
 
     def weight(self, i: int) -> None:
-        """Micro-batch `i`'s held-back weight gradients (`W`); nothing on the first stage, which
-        ran its whole backward at `B` (it has no input gradient to send first)."""
+        """Micro-batch `i`'s held-back weight gradients (`W`); on the first stage its whole
+        backward, held at `B`."""
+        if i in self.held:
+            self._backward(*self.held.pop(i))
+            return
         self.weight_gradients.compute(i)

@@ -7,7 +7,9 @@ An action is `(kind, micro_batch)`:
 - `"W"`: the weight gradient (accumulate into the stage's parameters).
 
 GPipe and 1F1B run each `B` right before its `W`; the executor then makes one backward pass of
-the two (the same numbers and messages as a plain `backward()`). Zero-bubble H1 (`"zbh1"`, Qi et
+the two (the same numbers and messages as a plain `backward()`). The first stage has no input
+gradient to send: its split `B` only receives the output's gradient, and its `W` runs the whole
+backward, so that its next forward leaves sooner. Zero-bubble H1 (`"zbh1"`, Qi et
 al. 2023) runs `B` as soon as it can (the stage upstream waits for it) and moves `W` into the
 idle slots that 1F1B leaves at the ends of a step; no stage holds more micro-batches' activations
 than 1F1B's first stage does (`num_stages`), so the peak activation memory is 1F1B's.
@@ -97,25 +99,32 @@ def zero_bubble_h1(num_stages: int, micro_batches: int) -> list[list[Action]]:
     return _fused_where_free(actions)
 
 
-def step_length(actions: list[list[Action]]) -> int:
-    """The step's length when every stage runs its actions in order, each taking one time unit,
-    a stage waiting for what it receives (an `F` for the stage before's, a `B` for the stage
-    after's). Raises on a deadlock."""
+UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0, "BW": 2.0}
+
+
+def step_length(actions: list[list[Action]], costs: dict[str, float] = UNIT_COSTS) -> float:
+    """The step's length when every stage runs its actions in order (`fused`), waiting for what
+    it receives (an `F` for the stage before's, a `B` for the stage after's input gradient), as
+    the executor runs them, each action taking `costs[kind]` (default: a forward, a split `B` and
+    a `W` 1 unit each, a fused `BW` 2). A fused `BW` sends its input gradient when the whole
+    backward ends; on the first stage a split `B` only receives (0) and its `W` is the whole
+    backward (`costs["BW"]`). Raises on a deadlock."""
     num_stages = len(actions)
-    finished: dict[tuple[str, int, int], int] = {}
-    clock, pos = [0] * num_stages, [0] * num_stages
-    while any(pos[s] < len(actions[s]) for s in range(num_stages)):
+    runs = [fused(a) for a in actions]
+    finished: dict[tuple[str, int, int], float] = {}
+    clock, pos = [0.0] * num_stages, [0] * num_stages
+    while any(pos[s] < len(runs[s]) for s in range(num_stages)):
         progressed = False
         for s in range(num_stages):
-            while pos[s] < len(actions[s]):
-                kind, i = actions[s][pos[s]]
-                needs = {"F": [("F", s - 1, i)] if s else [],
-                         "B": [("F", s, i)] + ([("B", s + 1, i)] if s < num_stages - 1 else []),
-                         "W": [("B", s, i)]}[kind]
+            while pos[s] < len(runs[s]):
+                kind, i = runs[s][pos[s]]
+                needs = {"F": [("F", s - 1, i)] if s else [], "W": [("B", s, i)]}.get(
+                    kind, [("F", s, i)] + ([("B", s + 1, i)] if s < num_stages - 1 else []))
                 if any(n not in finished for n in needs):
                     break
-                clock[s] = max([clock[s]] + [finished[n] for n in needs]) + 1
-                finished[(kind, s, i)] = clock[s]
+                cost = 0.0 if (s, kind) == (0, "B") else costs["BW" if (s, kind) == (0, "W") else kind]
+                clock[s] = max([clock[s]] + [finished[n] for n in needs]) + cost
+                finished[(kind[0], s, i)] = clock[s]  # a `BW` finishes its `B` at its end
                 pos[s] += 1
                 progressed = True
         if not progressed:

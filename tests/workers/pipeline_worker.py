@@ -24,6 +24,7 @@ from pipeline_cases import (  # noqa: E402
     EXACT_CASES,
     exact_runs,
     padded_batch,
+    schedule_of,
     training_batches,
 )
 
@@ -41,7 +42,8 @@ def exact(out_dir: str, num_stages: int) -> None:
     for case, schedule in exact_runs(num_stages):
         family, overrides = EXACT_CASES[case]
         model = debug_model(family, seed=0, **overrides)
-        plan = Plan(num_stages=num_stages, micro_batches=num_stages, schedule=schedule)
+        name, micro_batches = schedule_of(schedule, num_stages)
+        plan = Plan(num_stages=num_stages, micro_batches=micro_batches, schedule=name)
         pipe = hf_actcomp.prepare(model, plan, timeout=60)
         kept = {id(p) for p in pipe.stage.parameters()}
         assert all(p.numel() == 0 for p in model.parameters() if id(p) not in kept), "other stages not freed"
