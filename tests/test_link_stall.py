@@ -52,6 +52,27 @@ def test_a_stalled_link_slows_the_run_and_loses_nothing(tmp_path):
         assert stalled["weights_equal"] and stalled["weights_max_abs_diff"] == 0.0
 
 
+def test_a_stalled_link_between_diloco_replicas_delays_the_sync_and_loses_nothing(tmp_path):
+    """1 stage x 2 replicas, DiLoCo syncing every 2 steps (int8): the link between the replicas
+    stalls after step 4, so the sync at step 6 waits it out. No sync fails or is skipped, and the
+    losses and final weights equal, bit for bit, the undisturbed run's."""
+    with linked_namespaces(MBIT, rto_max_ms=RTO_MAX_MS) as ends, \
+            stall_on_marker(ends, str(tmp_path / "stall.marker"), STALL_S, MBIT) as stall:
+        run_workers("link_stall_worker.py", 2, [str(tmp_path), "--runs", "plain", "stalled", "--layout", "diloco",
+                                                "--steps", "8", "--stall_after", "3"],
+                    timeout=180, namespaces=ends)
+    assert stall.start is not None and stall.end - stall.start >= STALL_S
+    for r in ranks(tmp_path):
+        plain, stalled = r["plain"], r["stalled"]
+        # the sync at the end of step 6 (index 5) waits for the link to come back
+        start, end = stalled["steps"][5]
+        assert end >= stall.end and end - max(start, stall.start) >= STALL_S - 0.5, (stalled["steps"], stall)
+        assert max(end - start for start, end in plain["steps"]) < STALL_S
+        assert stalled["syncs"] == plain["syncs"] == 4 and stalled["failed_syncs"] == 0
+        assert stalled["error"] is None and stalled["losses"] == plain["losses"]
+        assert stalled["weights_equal"] and stalled["weights_max_abs_diff"] == 0.0
+
+
 def test_a_timeout_shorter_than_the_stall_fails_naming_the_peer(tmp_path):
     """prepare(timeout=2) against a 6 s stall: both ranks fail the step in flight with a
     PeerTimeoutError naming the other rank and the timeout, within the timeout of the stall

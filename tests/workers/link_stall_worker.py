@@ -1,7 +1,8 @@
 """Training across a link that the parent stalls: `python link_stall_worker.py OUT_DIR [options]`.
 
 Used by tests/test_link_stall.py and benchmarks/link_stall.py (one worker, so the test checks
-what the benchmark measures). Each rank trains its stage of a small tied GPT-2 (2 stages) in
+what the benchmark measures). Each rank trains its stage of a small tied GPT-2 (2 stages; with
+`--layout diloco` the whole model, one of 2 DiLoCo replicas) in
 one or more runs (`--runs plain stalled`), each from a fresh model with the same seed over the
 same batches, in the same processes. In the run named `stalled`, rank 0 writes
 OUT_DIR/stall.marker after step `--stall_after`, so the parent (tests/stall.py) stalls the link
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -44,8 +46,9 @@ def tied_gpt2(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def batches(args: argparse.Namespace) -> Iterator[dict]:
-    """An endless cycle over `--num_batches` fixed batches (AQ-SGD's first visits are exact)."""
-    g = torch.Generator().manual_seed(0)
+    """An endless cycle over `--num_batches` fixed batches (AQ-SGD's first visits are exact);
+    under DiLoCo each replica its own."""
+    g = torch.Generator().manual_seed(dist.get_rank() if args.layout == "diloco" else 0)
     samples = args.batch_size * args.num_batches
     data = torch.randint(0, args.vocab, (samples, args.seq_len), generator=g)
     step = 0
@@ -57,9 +60,22 @@ def batches(args: argparse.Namespace) -> Iterator[dict]:
 
 
 def plan(args: argparse.Namespace) -> Plan:
+    """`--layout pipeline`: 2 stages, the link between them; `diloco`: 1 stage x 2 replicas with
+    DiLoCo syncing every 2 steps (int8, plain averaging), the link between the replicas."""
+    if args.layout == "diloco":
+        return Plan(num_stages=1, data_parallel=2, dp_compression={
+            "method": "diloco", "sync_every": 2, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False,
+            "compression": {"method": "quantize", "bits": 8}})
     forward, backward = CODECS[args.compression]
     return Plan(num_stages=2, micro_batches=args.micro_batches, schedule="1f1b", forward=forward, backward=backward,
                 memory=MemoryConfig(num_samples=args.batch_size * args.num_batches, dtype="fp32"))
+
+
+def namespace_address() -> str:
+    """This namespace's IPv4 address (of GLOO_SOCKET_IFNAME), where torchft's servers must bind."""
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", os.environ["GLOO_SOCKET_IFNAME"]], check=True,
+                         capture_output=True, text=True).stdout
+    return out.split()[3].split("/")[0]
 
 
 def mark(path: str) -> None:
@@ -74,7 +90,7 @@ def train(name: str, args: argparse.Namespace, result: dict) -> dict[str, torch.
     model = tied_gpt2(args)
     dist.barrier()  # both ranks reach prepare() together: a short --timeout also bounds its set-up
     pipe = hf_actcomp.prepare(model, plan(args), timeout=args.timeout, track_error=False)
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    optimizer = pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-3))
     data = batches(args)
     result.update(losses=[], steps=[], error=None)
     for i in range(args.steps):
@@ -90,9 +106,14 @@ def train(name: str, args: argparse.Namespace, result: dict) -> dict[str, torch.
         result["losses"].append(loss)
         if name == "stalled" and i == args.stall_after and dist.get_rank() == 0:
             mark(os.path.join(args.out_dir, "stall.marker"))
-    stage = pipe.stats()["stages"][pipe.mesh.stage]
-    result.update(bytes_sent=pipe.stats()["bytes_sent"], seconds_step=stage["seconds_step"],
+    stats = pipe.stats()
+    stage = stats["stages"][pipe.mesh.stage]
+    result.update(bytes_sent=stats["bytes_sent"], seconds_step=stage["seconds_step"],
                   seconds_waiting=stage["seconds_waiting"])
+    if pipe.outer is not None:
+        result.update(syncs=stats["data_parallel"]["syncs"], failed_syncs=stats["data_parallel"]["failed_syncs"],
+                      seconds_outer_sync=stage["seconds_outer_sync"])
+        pipe.outer.close()
     return {n: p.detach().clone() for n, p in pipe.stage.named_parameters()}
 
 
@@ -109,6 +130,8 @@ def main() -> None:
     p.add_argument("--stall_after", type=int, default=3, help="rank 0 writes the marker after this step (from 0)")
     p.add_argument("--timeout", type=float, default=300.0, help="prepare(timeout=)")
     p.add_argument("--compression", default="aqsgd", choices=list(CODECS))
+    p.add_argument("--layout", default="pipeline", choices=["pipeline", "diloco"],
+                   help="the stalled link: between 2 stages, or between 2 DiLoCo replicas of 1 stage")
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -118,6 +141,8 @@ def main() -> None:
     p.add_argument("--num_batches", type=int, default=2, help="distinct batches, cycled")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.layout == "diloco" and "GLOO_SOCKET_IFNAME" in os.environ:
+        os.environ[hf_actcomp.dp.outer.HOST_ENV] = namespace_address()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     results: dict = {"rank": rank, "args": vars(args)}
@@ -133,6 +158,8 @@ def main() -> None:
                 json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
+    if args.layout == "diloco":
+        os._exit(0)  # torchft's threads must not keep the process alive
 
 
 if __name__ == "__main__":
