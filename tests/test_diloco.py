@@ -35,13 +35,15 @@ def ring(nbytes: int, world: int) -> int:
     ({"min_replicas": 3}, "min_replicas=3 must be an integer in 1..data_parallel (2)"),
     ({"compression": {"method": "aqsgd", "bits": 2}}, "needs a stateless codec"),
     ({"compression": {"method": "quantize", "bits": 8, "feedback": "ef"}}, "needs a stateless codec"),
-    ({"sync_evry": 4}, "does not take ['sync_evry']. Its settings: compression, fragment_sync_delay"),
+    ({"sync_evry": 4}, "does not take ['sync_evry']. Its settings: compression, error_decay, fragment_sync_delay"),
     ({"fragments": 0}, "fragments=0 must be an integer >= 1"),
     ({"sync_every": 6, "fragments": 4}, "fragments=4 must divide sync_every=6 (one fragment syncs every sync_every / "
                                         "fragments steps): one of [1, 2, 3, 6]"),
     ({"sync_every": 8, "fragments": 4, "fragment_sync_delay": 2}, "fragment_sync_delay=2 must be an integer in 0..1"),
     ({"fragment_sync_delay": -1}, "fragment_sync_delay=-1 must be an integer in 0..31"),
     ({"fragment_update_alpha": 1.5}, "fragment_update_alpha=1.5 must be a number in [0, 1]"),
+    ({"error_decay": 0}, "error_decay=0 must be a number in (0, 1] (1: plain error feedback)"),
+    ({"error_decay": 1.2}, "error_decay=1.2 must be a number in (0, 1]"),
 ])
 def test_bad_settings_fail_before_any_work(params, message):
     with pytest.raises(ValueError, match="Plan.dp_compression \\(diloco\\)") as err:
@@ -64,6 +66,10 @@ def test_diloco_needs_replicas_and_round_trips_through_json():
     again = Plan.from_json_string(streaming.to_json_string())
     assert again.diloco == streaming.diloco and again.diloco.fragments == 4
     assert streaming.diloco.label() == "diloco-H8-F4-d1-fp32"
+    decayed = Plan(num_stages=2, data_parallel=2, dp_compression={
+        "method": "diloco", "sync_every": 8, "error_decay": 0.9, "compression": {"method": "quantize", "bits": 8}})
+    assert Plan.from_json_string(decayed.to_json_string()).diloco.error_decay == 0.9
+    assert decayed.diloco.label() == "diloco-H8-quantize8-ed0.9" and plan.diloco.error_decay == 1.0
     assert streaming.diloco.offset(1, 2) == 1  # stages spread over the 2 steps between two fragment syncs
     assert plan.diloco.fragments == 1 and plan.diloco.fragment_sync_delay == 0  # defaults: DiLoCo as before
 

@@ -114,6 +114,31 @@ def test_error_feedback_carries_what_was_not_sent():
     assert (400 * x - sent).norm() < 0.05 * (400 * x).norm()
 
 
+def test_decayed_error_feedback_multiplies_the_residue_first():
+    """error_decay (SparseLoCo's buffer): the payload encodes x + decay * error; the residue kept
+    is that target minus the decoded payload. A residue that is never sent fades as decay^k;
+    with decay 1 (the default) it is kept whole, as before."""
+    n = 1000
+    compression = Compression("topk_quantize", ratio=0.02, bits=2)
+    codec = PseudoGradientCodec(compression, n, torch.device("cpu"), error_decay=0.5)
+    plain = PseudoGradientCodec(compression, n, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    error_in, x = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    codec.error, plain.error = error_in.clone(), 0.5 * error_in
+    decoded = codec.decode(codec.encode(x))
+    assert torch.equal(decoded, plain.decode(plain.encode(x)))  # the same target, the same payload
+    torch.testing.assert_close(codec.error, x + 0.5 * error_in - decoded, rtol=0, atol=1e-6)
+    # One row of residues 0.001 .. 0.128 and nothing new: each sync sends the row's top 3, so
+    # after 4 syncs the 100 smallest were never sent and are decay^4 of what they were.
+    start = torch.zeros(n)
+    start[:128] = 1e-3 * torch.arange(1, 129)
+    codec.error = start.clone()
+    for _ in range(4):
+        codec.encode(torch.zeros(n))
+    torch.testing.assert_close(codec.error[:100], 0.5 ** 4 * start[:100], rtol=1e-6, atol=0)
+    assert not codec.error[128:].any()
+
+
 def test_diloco_plan_round_trips_through_json():
     plan = Plan(num_stages=2, data_parallel=2, dp_compression={
         "method": "diloco", "sync_every": 8, "compression": {"method": "topk_quantize", "ratio": 0.02, "bits": 2}})

@@ -38,12 +38,13 @@ class PseudoGradientCodec:
 
     The flat pseudo-gradient (fp32) is padded to rows of `ROW` elements; what a payload misses
     is kept (`error`) and added to the next sync's pseudo-gradient, so that nothing is lost
-    over the run. Every replica decodes every payload in the same order, so all of them get the
+    over the run (with `error_decay` < 1, SparseLoCo's buffer: multiplied by it first). Every replica decodes every payload in the same order, so all of them get the
     same average, bit for bit.
     """
 
-    def __init__(self, compression, numel: int, device: torch.device) -> None:
+    def __init__(self, compression, numel: int, device: torch.device, error_decay: float = 1.0) -> None:
         self.compression = compression
+        self.error_decay = error_decay
         self.codec = make_codec(compression.codec_name, **compression.codec_params())
         self.numel = numel
         self.shape = rows_shape(numel)
@@ -59,8 +60,8 @@ class PseudoGradientCodec:
         return torch.nn.functional.pad(flat, (0, pad)).view(self.shape)
 
     def encode(self, flat: torch.Tensor) -> torch.Tensor:
-        """The payload of C(flat + error); `error` keeps what it missed."""
-        target = flat.float() + self.error
+        """The payload of C(flat + error_decay * error); `error` keeps what it missed."""
+        target = flat.float() + (self.error if self.error_decay == 1 else self.error_decay * self.error)
         payload = self.codec.encode(self._rows(target))
         self.error = target - self.decode(payload)
         return payload

@@ -111,7 +111,8 @@ class OuterSync(OuterStateMixin):
             torch.optim.SGD([p for _, p in fragment], lr=config.outer_lr, momentum=config.outer_momentum,
                             nesterov=config.nesterov) for fragment in self.fragments]
         device = self.named[0][1].device if self.named else torch.device("cpu")
-        self.codecs = [PseudoGradientCodec(config.compression, sum(p.numel() for _, p in fragment), device)
+        self.codecs = [PseudoGradientCodec(config.compression, sum(p.numel() for _, p in fragment), device,
+                                           error_decay=config.error_decay)
                        if config.compression else None for fragment in self.fragments]
         self.diloco = None
         self._pending: dict[str, torch.Tensor] | None = None

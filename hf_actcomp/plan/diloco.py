@@ -46,6 +46,10 @@ class DiLoCoConfig:
         fragment_update_alpha: at a fragment's outer step, its weights become
             `(1 - alpha) * synced + alpha * local` (the local weights keep the delayed steps'
             progress; 0: the synced weights, replicas equal bit for bit).
+        error_decay: the pseudo-gradient codec's error feedback, decayed (SparseLoCo's error
+            buffer): what a payload missed is multiplied by this before it joins the next
+            sync's pseudo-gradient, so that stale residues fade. 1: plain error feedback,
+            nothing ever dropped. In (0, 1]; used with `compression` only.
     """
 
     sync_every: int = 32
@@ -58,6 +62,7 @@ class DiLoCoConfig:
     fragments: int = 1
     fragment_sync_delay: int = 0
     fragment_update_alpha: float = 0.0
+    error_decay: float = 1.0
 
     @classmethod
     def from_params(cls, params: dict[str, Any], data_parallel: int) -> DiLoCoConfig:
@@ -86,6 +91,9 @@ class DiLoCoConfig:
             raise ValueError(f"{owner} min_replicas={minimum!r} must be an integer in 1..data_parallel "
                              f"({data_parallel}), or None for all of them.")
         _check_fragments(config, owner)
+        decay = config.error_decay
+        if not isinstance(decay, int | float) or isinstance(decay, bool) or not 0 < decay <= 1:
+            raise ValueError(f"{owner} error_decay={decay!r} must be a number in (0, 1] (1: plain error feedback).")
         compression = config.compression
         if compression is not None:
             compression = _stateless_compression(compression, f"{owner} compression")
@@ -110,11 +118,12 @@ class DiLoCoConfig:
 
     def label(self) -> str:
         """Short label for cards and logs, e.g. `diloco-H32-quantize8` (`diloco-H32-F4-...`
-        with fragments, `-d1` with a sync delay)."""
+        with fragments, `-d1` with a sync delay, `-ed0.9` with a decayed error feedback)."""
         codec = self.compression.describe() if self.compression is not None else "fp32"
         streaming = f"-F{self.fragments}" if self.fragments > 1 else ""
         delay = f"-d{self.fragment_sync_delay}" if self.fragment_sync_delay else ""
-        return f"diloco-H{self.sync_every}{streaming}{delay}-{codec}"
+        decay = f"-ed{self.error_decay:g}" if self.error_decay != 1 else ""
+        return f"diloco-H{self.sync_every}{streaming}{delay}-{codec}{decay}"
 
 
 def _is_int(value: Any) -> bool:
