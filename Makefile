@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test lint train bench-codecs bench-outliers bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-link-stall bench-time-to-quality bench-dp-hooks bench-diloco bench-compile clean
+.PHONY: setup test lint train bench-codecs bench-outliers bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-link-stall bench-time-to-quality bench-time-to-quality-2x2 bench-dp-hooks bench-diloco bench-compile clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -47,6 +47,10 @@ bench-link-stall: setup
 
 bench-time-to-quality: setup
 	$(PY) benchmarks/time_to_quality.py
+
+bench-time-to-quality-2x2: setup
+	$(PY) benchmarks/time_to_quality.py --replicas 2 --rate 10 --name time_to_quality_2x2_10mbit
+	$(PY) benchmarks/time_to_quality.py --replicas 2 --rate 100 --name time_to_quality_2x2_100mbit
 
 bench-dp-hooks: setup
 	$(PY) benchmarks/dp_hooks.py

@@ -33,6 +33,18 @@ whose boundary 1 is shaped to `--rate` and boundary 0 is an unshaped veth pair: 
         "ours, auto" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, Hadamard fw4/bw8, tie q8" \
         "ours, AQ-SGD fw4/bw8, warm-up h4, tie q8"
 
+Pipeline x data parallel (issue 37): `--replicas 2` runs 2 stages x 2 replicas, 4 processes each in
+its own namespace on a star whose every veth is shaped to `--rate` (benchmarks/dp_hooks.py's
+StarNetwork), the methods of DP_METHODS in benchmarks/time_to_quality_worker.py: the peer
+torch.distributed.pipelining with each stage in DDP, ours uncompressed + all-reduce (the target's
+run), and AQ-SGD boundaries with PowerSGD, TopK + EF, DiLoCo, Streaming DiLoCo and the sparse 2-bit
+pseudo-gradient between the replicas:
+
+    sudo OMP_NUM_THREADS=1 .venv/bin/python benchmarks/time_to_quality.py --replicas 2 --rate 10 \
+        --name time_to_quality_2x2_10mbit --data /tmp/ttq.safetensors       # ~90 minutes
+    sudo OMP_NUM_THREADS=1 .venv/bin/python benchmarks/time_to_quality.py --replicas 2 --rate 100 \
+        --name time_to_quality_2x2_100mbit --data /tmp/ttq.safetensors      # ~25 minutes
+
 A results file's hand-written `## Analysis` section is kept when it is written again.
 
 Writes benchmarks/results/time_to_quality.{json,md,png}.
