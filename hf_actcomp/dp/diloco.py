@@ -38,8 +38,9 @@ class PseudoGradientCodec:
 
     The flat pseudo-gradient (fp32) is padded to rows of `ROW` elements; what a payload misses
     is kept (`error`) and added to the next sync's pseudo-gradient, so that nothing is lost
-    over the run (with `error_decay` < 1, SparseLoCo's buffer: multiplied by it first). Every replica decodes every payload in the same order, so all of them get the
-    same average, bit for bit.
+    over the run (with `error_decay` < 1, SparseLoCo's buffer: multiplied by it first). Every
+    replica decodes every payload in the same order, so all of them get the same average, bit
+    for bit.
     """
 
     def __init__(self, compression, numel: int, device: torch.device, error_decay: float = 1.0) -> None:
