@@ -54,7 +54,7 @@ def test_a_stalled_link_slows_the_run_and_loses_nothing(tmp_path):
 
 def test_a_stalled_link_between_diloco_replicas_delays_the_sync_and_loses_nothing(tmp_path):
     """1 stage x 2 replicas, DiLoCo syncing every 2 steps (int8): the link between the replicas
-    stalls after step 4, so steps 5-6 (the next sync's quorum and exchange) wait it out. No sync fails or is skipped, and the
+    stalls after step 4, so the steps around the next sync (its quorum and exchange) wait it out. No sync fails or is skipped, and the
     losses and final weights equal, bit for bit, the undisturbed run's."""
     with linked_namespaces(MBIT, rto_max_ms=RTO_MAX_MS) as ends, \
             stall_on_marker(ends, str(tmp_path / "stall.marker"), STALL_S, MBIT) as stall:
@@ -64,10 +64,14 @@ def test_a_stalled_link_between_diloco_replicas_delays_the_sync_and_loses_nothin
     assert stall.start is not None and stall.end - stall.start >= STALL_S
     for r in ranks(tmp_path):
         plain, stalled = r["plain"], r["stalled"]
-        # Steps 5 and 6 (torchft's quorum for the next sync, then the sync at the end of step 6)
-        # take the stall: step 6 ends only once the link is back.
+        # The stall begins as rank 0 ends step 4 (its sync done); the other rank may still be in
+        # that sync's last exchange, or already in step 5 (torchft's quorum for the next sync) or
+        # step 6 (that sync). One of steps 4-6 is in flight when the link comes back, and the
+        # three together take at least the stall.
         steps = stalled["steps"]
-        assert steps[5][1] >= stall.end and steps[5][1] - steps[4][0] >= STALL_S - 0.5, (steps, stall)
+        in_flight = [k for k, (start, end) in enumerate(steps) if start <= stall.end <= end]
+        assert in_flight and 3 <= in_flight[0] <= 5, (steps, stall)
+        assert steps[5][1] - steps[3][0] >= STALL_S - 0.5, (steps, stall)
         assert max(end - start for start, end in plain["steps"]) < STALL_S
         assert stalled["syncs"] == plain["syncs"] == 4 and stalled["failed_syncs"] == 0
         assert stalled["error"] is None and stalled["losses"] == plain["losses"]
