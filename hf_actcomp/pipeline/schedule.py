@@ -99,20 +99,16 @@ def zero_bubble_h1(num_stages: int, micro_batches: int) -> list[list[Action]]:
     return _fused_where_free(actions)
 
 
-UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0, "BW": 2.0}
-
-
-def step_length(actions: list[list[Action]], costs: dict[str, float] = UNIT_COSTS) -> float:
+def step_length(actions: list[list[Action]]) -> int:
     """The step's length when every stage runs its actions in order (`fused`), waiting for what
     it receives (an `F` for the stage before's, a `B` for the stage after's input gradient), as
-    the executor runs them, each action taking `costs[kind]` (default: a forward, a split `B` and
-    a `W` 1 unit each, a fused `BW` 2). A fused `BW` sends its input gradient when the whole
-    backward ends; on the first stage a split `B` only receives (0) and its `W` is the whole
-    backward (`costs["BW"]`). Raises on a deadlock."""
+    the executor runs them: a forward, a split `B` and a `W` 1 unit each, a fused `BW` 2 (it
+    sends its input gradient when the whole backward ends); on the first stage a split `B` only
+    receives (0) and its `W` is the whole backward (2). Raises on a deadlock."""
     num_stages = len(actions)
     runs = [fused(a) for a in actions]
-    finished: dict[tuple[str, int, int], float] = {}
-    clock, pos = [0.0] * num_stages, [0] * num_stages
+    finished: dict[tuple[str, int, int], int] = {}
+    clock, pos = [0] * num_stages, [0] * num_stages
     while any(pos[s] < len(runs[s]) for s in range(num_stages)):
         progressed = False
         for s in range(num_stages):
@@ -122,7 +118,7 @@ def step_length(actions: list[list[Action]], costs: dict[str, float] = UNIT_COST
                     kind, [("F", s, i)] + ([("B", s + 1, i)] if s < num_stages - 1 else []))
                 if any(n not in finished for n in needs):
                     break
-                cost = 0.0 if (s, kind) == (0, "B") else costs["BW" if (s, kind) == (0, "W") else kind]
+                cost = 0 if (s, kind) == (0, "B") else 2 if kind == "BW" or (s, kind) == (0, "W") else 1
                 clock[s] = max([clock[s]] + [finished[n] for n in needs]) + cost
                 finished[(kind[0], s, i)] = clock[s]  # a `BW` finishes its `B` at its end
                 pos[s] += 1
