@@ -325,9 +325,8 @@ def test_world_size_must_match_the_plan(tmp_path):
 def replay(actions: list[list[tuple[str, int]]]) -> int:
     """Run all stages' actions with blocking receives and non-blocking sends, as the executor
     does, in time units: a forward 1; a `B` right before its own `W` is one backward pass of 2
-    units whose input gradient leaves at its end; a split `B` and `W` 1 each, except on the first
-    stage, whose split `B` only receives (0) and whose `W` is the whole backward (2). Returns the
-    step's length; fails on a deadlock or an action before what it needs."""
+    units whose input gradient leaves at its end; a split `B` and `W` 1 each. Returns the step's
+    length; fails on a deadlock or an action before what it needs."""
     num_stages = len(actions)
     finished, clock, pos = {}, [0] * num_stages, [0] * num_stages
     while any(pos[s] < len(actions[s]) for s in range(num_stages)):
@@ -341,10 +340,7 @@ def replay(actions: list[list[tuple[str, int]]]) -> int:
                          "W": [("B", s, i)]}[kind]
                 if any(n not in finished for n in needs):
                     break
-                if whole:  # B and W as one pass
-                    cost = 2
-                else:
-                    cost = {"F": 1, "B": 0 if s == 0 else 1, "W": 2 if s == 0 else 1}[kind]
+                cost = 2 if whole else 1  # B and W as one pass, else 1 each
                 clock[s] = max([clock[s]] + [finished[n] for n in needs]) + cost
                 finished[(kind, s, i)] = clock[s]
                 if whole:
@@ -383,17 +379,20 @@ def test_schedules_run_each_micro_batch_once_in_dependency_order(schedule, num_s
     assert schedule != "zbh1" or "W" in kinds
 
 
-def test_zbh1_reaches_the_zero_bubble_bound_where_it_can():
-    """Unit-time F, B and W (a whole backward 2): on 2 stages ZB-H1's step is 3M + 1 units (the
-    paper's (p - 1)(F + B - W) bubble), on 4 x 4 one unit more; 1F1B's is 3M + 3(S - 1) (each
-    fill and drain hop waits for a forward and a whole backward)."""
-    for num_stages, micro_batches in ((2, 2), (2, 4), (2, 8), (4, 4)):
-        actions = [stage_actions("zbh1", s, num_stages, micro_batches) for s in range(num_stages)]
-        bound = 3 * micro_batches + num_stages - 1
-        assert replay(actions) == bound + (num_stages > 2), (num_stages, micro_batches)
-        assert step_length(actions) == replay(actions)
-        baseline = [stage_actions("1f1b", s, num_stages, micro_batches) for s in range(num_stages)]
-        assert replay(baseline) == step_length(baseline) == 3 * micro_batches + 3 * (num_stages - 1)
+def test_zbh1_reaches_the_bound_of_any_synchronous_schedule():
+    """Unit-time F, B and W (a whole backward 2): the last stage waits for S - 1 forwards before
+    its 3M units of work, so no synchronous schedule is shorter than 3M + S - 1; ZB-H1 reaches it
+    for every M >= S (on 2 stages the paper's (p - 1)(F + B - W) bubble), and is never longer than
+    1F1B, whose step is 3M + 3(S - 1) (each fill and drain hop waits for a forward and a whole
+    backward)."""
+    for num_stages in range(1, 7):
+        for micro_batches in range(1, 4 * num_stages + 2):
+            actions = [stage_actions("zbh1", s, num_stages, micro_batches) for s in range(num_stages)]
+            baseline = [stage_actions("1f1b", s, num_stages, micro_batches) for s in range(num_stages)]
+            assert step_length(actions) == replay(actions) <= replay(baseline), (num_stages, micro_batches)
+            if micro_batches >= num_stages:
+                assert replay(actions) == 3 * micro_batches + num_stages - 1, (num_stages, micro_batches)
+                assert replay(baseline) == step_length(baseline) == 3 * micro_batches + 3 * (num_stages - 1)
 
 
 def test_prepare_without_distributed_is_a_clear_error():

@@ -63,7 +63,6 @@ class StageRunner:
         self.ends: dict[str, Boundary] = {}
         self.links: dict[str, StageLink] = {}
         self.weight_gradients = WeightGradients()  # zbh1: what each micro-batch's `W` needs, from its `B`
-        self.held: dict[int, tuple] = {}  # zbh1 on the first stage: a split `B`'s received gradient, for its `W`
         self.use(plan)  # sets `plan`, `ends` and `links`
 
     @property
@@ -106,7 +105,7 @@ class StageRunner:
             ends[key] = end
         self.ends = {key: ends[key] for key in ENDS if key in ends}
         keep_weight_gradients(self.stage)
-        if plan.schedule == "zbh1" and not self.is_first:  # the first stage's `B` is its whole backward
+        if plan.schedule == "zbh1" and not self.is_first:  # zbh1 never splits the first stage's backward
             defer_weight_gradients(self.stage, self.weight_gradients)
         self.plan = plan
         self.links = self._links()
@@ -208,12 +207,8 @@ class StageRunner:
     def backward(self, i: int, x: torch.Tensor, out: torch.Tensor, probs: torch.Tensor | None, pair: bool,
                  split: bool = False) -> None:
         """Micro-batch `i`'s backward, sending the input's gradient upstream. `split` (a `B`
-        whose `W` comes later): the linear layers' weight gradients wait for its `W`; on the
-        first stage, which has no input gradient to send, the whole backward waits for it."""
+        whose `W` comes later): the linear layers' weight gradients wait for its `W`."""
         received = None if self.is_last else self.links["backward_in"].receive(i, out.shape)
-        if split and self.is_first:
-            self.held[i] = (out, probs, received)
-            return
         deferring = self.weight_gradients.deferring(i) if split else contextlib.nullcontext()
         with deferring:
             router_grad = self._backward(out, probs, received)
@@ -235,9 +230,5 @@ class StageRunner:
         return router_grad
 
     def weight(self, i: int) -> None:
-        """Micro-batch `i`'s held-back weight gradients (`W`); on the first stage its whole
-        backward, held at `B`."""
-        if i in self.held:
-            self._backward(*self.held.pop(i))
-            return
+        """Micro-batch `i`'s held-back weight gradients (`W`)."""
         self.weight_gradients.compute(i)
