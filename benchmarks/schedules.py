@@ -236,6 +236,12 @@ def header(rows: list[dict], args, info: dict) -> list[str]:
     return lines
 
 
+def synchronous_floor(stages: int, micro_batches: int) -> float:
+    """No synchronous schedule's step is shorter than this multiple of the slowest stage's compute
+    (unit-time forward, input gradient and weight gradient; balanced stages)."""
+    return (3 * micro_batches + stages - 1) / (3 * micro_batches)
+
+
 def write(rows: list[dict], args, info: dict) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
@@ -262,9 +268,12 @@ def write(rows: list[dict], args, info: dict) -> None:
     best = [r for r in rows if r["method"] == "ours"]
     if best:
         lines += ["", "Fastest schedule of ours per (link, S, M, setting), and how close it gets to the slowest "
-                  f"stage's compute (target {TARGET:.2f}x):", "",
-                  "| link | S | M | setting | fastest | s/step | step / compute | vs ours 1f1b | vs fastest peer "
-                  "(peer schedule) |", "|---|---|---|---|---|---|---|---|---|"]
+                  f"stage's compute (target {TARGET:.2f}x). **floor**: the shortest step of any synchronous "
+                  "schedule over the slowest stage's compute in unit time, (3M + S - 1) / 3M with balanced stages "
+                  "(the last stage waits S - 1 forwards, then has 3M units of its own: forward, input gradient, "
+                  "weight gradient); zbh1's order reaches it (tests/test_pipeline.py):", "",
+                  "| link | S | M | setting | fastest | s/step | step / compute | floor | vs ours 1f1b | "
+                  "vs fastest peer (peer schedule) |", "|---|---|---|---|---|---|---|---|---|---|"]
         keys = dict.fromkeys((r["link"], r["stages"], r["micro_batches"], r["codec"]) for r in best)
         for key in keys:
             group = [r for r in best if (r["link"], r["stages"], r["micro_batches"], r["codec"]) == key]
@@ -272,7 +281,7 @@ def write(rows: list[dict], args, info: dict) -> None:
             met = "" if r.get("over_compute") is None else (" (met)" if r["over_compute"] <= TARGET else "")
             lines.append(f"| {r['link']} | {r['stages']} | {r['micro_batches']} | {r['codec_label']} | "
                          f"{r['schedule']} | {r['seconds_per_step']:.3f} | {_spread(r, 'over_compute')}{met} | "
-                         f"{_spread(r, 'vs_1f1b')} | {_spread(r, 'vs_peer')} ({r['peer_schedule'] or ''}) |")
+                         f"{synchronous_floor(r['stages'], r['micro_batches']):.2f}x | {_spread(r, 'vs_1f1b')} | {_spread(r, 'vs_peer')} ({r['peer_schedule'] or ''}) |")
     with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
