@@ -25,6 +25,7 @@ Writes benchmarks/results/split_backward.{md,json}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -65,7 +66,8 @@ def make_stage(family: str, args) -> torch.nn.Module:
 def micro_batch(stage, store: WeightGradients, method: str, x, grad, mask) -> tuple[float, float, float]:
     """(forward, B, W) seconds of one micro-batch; the gradients land in `.grad`."""
     start = time.perf_counter()
-    out = stage(x, mask)
+    with store.routed() if method == "layer store" else contextlib.nullcontext():  # as zbh1 runs a split one
+        out = stage(x, mask)
     forward = time.perf_counter()
     if method == "one backward":
         out.backward(grad)
