@@ -81,6 +81,8 @@ def micro_batch(stage, store: WeightGradients, method: str, x, grad, mask) -> tu
         with store.deferring(0):
             out.backward(grad)
         b = time.perf_counter()
+        if not store.pending.get(0):
+            raise RuntimeError("The layer store held back no weight gradient: the forward did not run routed.")
         store.compute(0)
     return forward - start, b - forward, time.perf_counter() - b
 
