@@ -10,8 +10,8 @@ GPipe and 1F1B run each `B` right before its `W`; the executor then makes one ba
 the two (the same numbers and messages as a plain `backward()`). Zero-bubble H1 (`"zbh1"`, Qi et
 al. 2023) runs 1F1B's forwards and backwards in 1F1B's order but splits them: stage s defers its
 weight gradients by s micro-batches, so its input gradients leave upstream a `W` sooner and the
-`W`s fill the slots 1F1B idles in at the ends of a step; no stage holds more micro-batches' activations than 1F1B's first stage does
-(`num_stages`), so the peak activation memory is 1F1B's.
+`W`s fill the slots 1F1B idles in at the ends of a step; no stage holds more micro-batches'
+activations than 1F1B's first stage does (`num_stages`), so the peak activation memory is 1F1B's.
 
 Every stage runs its `F`s, and its `B`s, in micro-batch order, so the messages between two
 stages arrive in the order they are expected. Sends never block (queued, waited for at the end
@@ -64,10 +64,10 @@ def zero_bubble_h1(num_stages: int, micro_batches: int) -> list[list[Action]]:
 
     The last stage, which 1F1B keeps idle at the end of the step while the input gradients travel
     upstream, defers the most; the first stage, with no input gradient to send, runs each
-    backward whole. In unit time (F = B = W,
-    `step_length`) the step is 3M + S - 1 for M >= S: the last stage's 3M units after the S - 1
-    forwards it must wait for at the start, so no synchronous schedule is shorter (1F1B's is
-    3M + 3(S - 1)). Stage s holds at most S - 1 - s warm-up + 1 + s = S micro-batches."""
+    backward whole. In unit time (F = B = W, `step_length`) the step is 3M + S - 1 for M >= S:
+    the last stage's 3M units after the S - 1 forwards it must wait for at the start, so no
+    synchronous schedule is shorter (1F1B's is 3M + 3(S - 1)). Stage s holds at most
+    S - 1 - s warm-up + 1 + s = S micro-batches."""
     actions = []
     for s in range(num_stages):
         order, deferred = [], []
