@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test lint train bench-codecs bench-outliers bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-link-stall bench-time-to-quality bench-time-to-quality-2x2 bench-dp-hooks bench-diloco bench-compile clean
+.PHONY: setup test lint train bench-codecs bench-outliers bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-link-stall bench-time-to-quality bench-time-to-quality-2x2 bench-schedules bench-dp-hooks bench-diloco bench-compile clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -51,6 +51,15 @@ bench-time-to-quality: setup
 bench-time-to-quality-2x2: setup
 	$(PY) benchmarks/time_to_quality.py --replicas 2 --rate 10 --name time_to_quality_2x2_10mbit
 	$(PY) benchmarks/time_to_quality.py --replicas 2 --rate 100 --name time_to_quality_2x2_100mbit
+
+# docs/pipeline.md's schedule figures: 2 and 4 stages (about 7 minutes), then zbh1 against 1F1B to quality at
+# 10 Mbit/s (about 25 minutes); root for the namespaces and `tc`
+bench-schedules: setup
+	$(PY) benchmarks/schedules.py --stages 2 4 --schedules 1f1b zbh1 --peer_schedules GPipe 1F1B \
+		--link_peer_schedules GPipe 1F1B --name schedules_zbh1_bound
+	$(PY) benchmarks/time_to_quality.py --rate 10 --stop_at_target 4.4803 --repeats 5 \
+		--methods "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4, zbh1" \
+		--name time_to_quality_zbh1_bound_10mbit_5rounds
 
 bench-dp-hooks: setup
 	$(PY) benchmarks/dp_hooks.py
