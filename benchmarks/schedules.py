@@ -281,7 +281,8 @@ def write(rows: list[dict], args, info: dict) -> None:
             met = "" if r.get("over_compute") is None else (" (met)" if r["over_compute"] <= TARGET else "")
             lines.append(f"| {r['link']} | {r['stages']} | {r['micro_batches']} | {r['codec_label']} | "
                          f"{r['schedule']} | {r['seconds_per_step']:.3f} | {_spread(r, 'over_compute')}{met} | "
-                         f"{synchronous_floor(r['stages'], r['micro_batches']):.2f}x | {_spread(r, 'vs_1f1b')} | {_spread(r, 'vs_peer')} ({r['peer_schedule'] or ''}) |")
+                         f"{synchronous_floor(r['stages'], r['micro_batches']):.2f}x | {_spread(r, 'vs_1f1b')} | "
+                         f"{_spread(r, 'vs_peer')} ({r['peer_schedule'] or ''}) |")
     with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -54,8 +54,9 @@ def test_a_stalled_link_slows_the_run_and_loses_nothing(tmp_path):
 
 def test_a_stalled_link_between_diloco_replicas_delays_the_sync_and_loses_nothing(tmp_path):
     """1 stage x 2 replicas, DiLoCo syncing every 2 steps (int8): the link between the replicas
-    stalls after step 4, so the steps around the next sync (its quorum and exchange) wait it out. No sync fails or is skipped, and the
-    losses and final weights equal, bit for bit, the undisturbed run's."""
+    stalls after step 4, so the steps around the next sync (its quorum and exchange) wait it out.
+    No sync fails or is skipped, and the losses and final weights equal, bit for bit, the
+    undisturbed run's."""
     with linked_namespaces(MBIT, rto_max_ms=RTO_MAX_MS) as ends, \
             stall_on_marker(ends, str(tmp_path / "stall.marker"), STALL_S, MBIT) as stall:
         run_workers("link_stall_worker.py", 2, [str(tmp_path), "--runs", "plain", "stalled", "--layout", "diloco",

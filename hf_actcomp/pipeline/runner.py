@@ -20,6 +20,7 @@ from ..plan import Plan
 from ..telemetry import ChannelStats, TrafficCounter
 from .link import StageLink
 from .mesh import PipelineMesh
+from .schedule import fused, stage_actions
 from .split_backward import WeightGradients, defer_weight_gradients, keep_weight_gradients
 from .transport import Transport
 
@@ -105,7 +106,8 @@ class StageRunner:
             ends[key] = end
         self.ends = {key: ends[key] for key in ENDS if key in ends}
         keep_weight_gradients(self.stage)
-        if plan.schedule == "zbh1" and not self.is_first:  # zbh1 never splits the first stage's backward
+        actions = fused(stage_actions(plan.schedule, self.mesh.stage, self.mesh.num_stages, plan.micro_batches))
+        if any(kind == "B" for kind, _ in actions):  # a backward split apart from its `W`
             defer_weight_gradients(self.stage, self.weight_gradients)
         self.plan = plan
         self.links = self._links()
