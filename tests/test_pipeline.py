@@ -437,8 +437,8 @@ def test_held_back_weight_gradients_equal_one_backward(layer_type, autocast):
     """zbh1's `B` / `W` split: within `deferring`, the routed layers give the input gradient (and
     the untouched layers, here a LayerNorm, their weights' gradient) and hold back their weight
     and bias gradients, which `compute` then accumulates onto the ones already there; the result
-    equals one plain backward for every parameter, under bf16 autocast and activation
-    checkpointing too (whose recomputed saved tensors are detached copies: the gradient must
+    equals one plain backward for every parameter (plain tensors, holding no graph), under bf16
+    autocast and activation checkpointing too (whose recomputed saved tensors are detached copies: the gradient must
     still land on the parameter). Frozen weights (a LoRA base layer) are not routed;
     `keep_weight_gradients` restores the class's forward."""
     from transformers.pytorch_utils import Conv1D
@@ -489,6 +489,9 @@ def test_held_back_weight_gradients_equal_one_backward(layer_type, autocast):
             assert got is None
         else:
             torch.testing.assert_close(got, want, **({"atol": 1e-2, "rtol": 1e-2} if autocast else {}))
+            # Plain tensors, as autograd leaves them: a `W` recorded under autograd would chain every
+            # micro-batch's layer inputs and output gradients onto `.grad` until `zero_grad`.
+            assert got.grad_fn is None and not got.requires_grad
     # Outside `routed`, the patched layers run their class's forward: autograd's own gradients, at once.
     layers.zero_grad()
     layers(x).backward(grad)

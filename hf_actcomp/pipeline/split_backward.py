@@ -62,8 +62,13 @@ class WeightGradients:
         finally:
             self.pending[micro_batch], self.recording = self.recording, None
 
+    @torch.no_grad()
     def compute(self, micro_batch: int) -> None:
-        """Accumulate `micro_batch`'s held-back weight (and bias) gradients into `p.grad`."""
+        """Accumulate `micro_batch`'s held-back weight (and bias) gradients into `p.grad`.
+
+        Without autograd: the layer inputs it multiplies require gradients, and a recorded
+        product would chain every micro-batch's inputs and output gradients onto `p.grad` until
+        the next `zero_grad` (memory growing with each `W`, and the recording's time)."""
         for work in self.pending.pop(micro_batch, ()):
             work()
 
