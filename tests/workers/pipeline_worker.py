@@ -84,6 +84,9 @@ def accumulate(out_dir: str, family: str) -> None:
     batches = [padded_batch(model.config.vocab_size, seed=step) for step in range(2)]
     num_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
     losses = [pipe.train_step(b, num_items_in_batch=num_items, sync=i == 1).loss for i, b in enumerate(batches)]
+    # Every held-back `W` ran, and left plain gradients: no graph chaining the steps' activations.
+    assert not pipe.runner.weight_gradients.pending
+    assert all(p.grad is None or (p.grad.grad_fn is None and not p.grad.requires_grad) for p in pipe.parameters())
     tensors = stage_grads(pipe)
     tensors["losses"] = torch.stack(losses)
     save_file({kk: v.contiguous() for kk, v in tensors.items()}, os.path.join(out_dir, f"{family}-items-rank{rank}.safetensors"))
