@@ -195,6 +195,8 @@ def header(rows: list[dict], args, info: dict) -> list[str]:
         "over the same `build_stage` modules, uncompressed, plus the all-reduce of the tied gradient a user has to "
         "write (benchmarks/slow_link_worker.py; its `build_peer` is the S=2 Schedule1F1B run); interleaved "
         "schedules put 2 stages per rank (loop placement), so every boundary carries 3x the activations of 1F1B; "
+        "ZBVZeroBubble puts 2 per rank in a V (rank r holds stages r and 2S-1-r): the tied embedding and head are "
+        "both on rank 0 (no tie exchange), and every link carries one activation and one gradient each way; "
         f"peer schedules on loopback: {', '.join(args.peer_schedules) or 'none'}; on the shaped links: "
         f"{', '.join(args.link_peer_schedules) or 'none'}.",
         "",

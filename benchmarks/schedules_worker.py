@@ -10,7 +10,8 @@ other in the same process group, so all of them see the same link in the same mi
   all-reduce of the tied weight's gradient a user has to add (see slow_link_worker.py). With
   S = 2 and Schedule1F1B this is slow_link_worker's own `build_peer`; the other schedules
   (ScheduleGPipe, ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble with two stages per
-  rank) and S > 2 are built the same way here.
+  rank in loop placement, ScheduleZBVZeroBubble with two per rank in V placement) and S > 2 are
+  built the same way here.
 
 Every run starts from a fresh model, runs `--warmup` steps (AQ-SGD: every sample's uncompressed
 first visit happens there; the measured steps revisit them), then `--steps` measured steps.
@@ -46,7 +47,16 @@ CODECS = {"none": "uncompressed", "aqsgd": "AQ-SGD fw4/bw8 + tie q8"}
 SCHEDULES = ("gpipe", "1f1b", "zbh1")
 PEER = "torch.distributed.pipelining"
 # torch.distributed.pipelining schedules (class name without "Schedule") and stages per rank.
-PEER_SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "InterleavedZeroBubble": 2}
+PEER_SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "InterleavedZeroBubble": 2, "ZBVZeroBubble": 2}
+# Schedules whose rank r holds stages r and 2S - 1 - r (a V) instead of r, r + S, ... (a loop).
+V_SHAPED = ("ZBVZeroBubble",)
+
+
+def peer_stage_indices(name: str, rank: int, num_ranks: int) -> list[int]:
+    """The stages rank `rank` holds under peer schedule `name`."""
+    if name in V_SHAPED:
+        return [rank, 2 * num_ranks - 1 - rank]
+    return [rank + v * num_ranks for v in range(PEER_SCHEDULES[name])]
 
 
 def make_plan(codec: str, schedule: str, args) -> Plan:
@@ -161,9 +171,11 @@ def run_ours(codec: str, schedule: str, args) -> dict:
 def build_peer_schedule(model, name: str, args, tie_group):
     """`model` cut into `S x stages-per-rank` stages as a torch.distributed.pipelining user would
     (the same `build_stage` modules as ours; two per rank, loop placement, for the interleaved
-    schedules), a `step(batch)` running `Schedule<name>` over them, then the all-reduce of the
-    tied weight's gradient between the rank holding the input embedding and the one holding the
-    head. Returns (modules, step)."""
+    schedules; a V for ZBVZeroBubble), a `step(batch)` running `Schedule<name>` over them, then
+    the all-reduce of the tied weight's gradient between the rank holding the input embedding
+    and the one holding the head. In a V both are on rank 0, where the two stage modules share
+    the tied parameter (autograd sums both uses into it): nothing to exchange. Returns (modules,
+    step)."""
     from torch.distributed import pipelining
 
     rank, S, M = dist.get_rank(), args.stages, args.micro_batches
@@ -171,12 +183,12 @@ def build_peer_schedule(model, name: str, args, tie_group):
     n = S * per_rank
     adapter = get_adapter(model)
     ranges = stage_ranges(adapter, Plan(num_stages=n, micro_batches=M, schedule="gpipe"))
-    indices = [rank + v * S for v in range(per_rank)]
+    indices = peer_stage_indices(name, rank, S)
     modules = [adapter.build_stage(ranges[i].start, ranges[i].stop, first=i == 0, last=i == n - 1) for i in indices]
     stages = [pipelining.PipelineStage(m, stage_index=i, num_stages=n, device=torch.device("cpu"))
               for m, i in zip(modules, indices, strict=True)]
-    copies = [dict(m.named_parameters())[TIE[1] if i == 0 else TIE[0]]
-              for m, i in zip(modules, indices, strict=True) if i in (0, n - 1)]
+    copies = [] if name in V_SHAPED else [dict(m.named_parameters())[TIE[1] if i == 0 else TIE[0]]
+                                          for m, i in zip(modules, indices, strict=True) if i in (0, n - 1)]
 
     def loss_fn(logits, labels):
         return model.loss_function(logits, labels, vocab_size=model.config.vocab_size)
@@ -186,7 +198,7 @@ def build_peer_schedule(model, name: str, args, tie_group):
 
     def step(batch: dict) -> None:
         kwargs = dict(attention_mask=batch["attention_mask"])
-        if rank == S - 1:
+        if n - 1 in indices:  # the rank holding the last stage (rank 0 in a V)
             kwargs["target"] = batch["labels"]
         if rank == 0:
             schedule.step(batch["input_ids"], **kwargs)
@@ -206,7 +218,8 @@ def run_peer(name: str, args, tie_group) -> dict:
         modules = [module]
     else:
         modules, peer_step = build_peer_schedule(model, name, args, tie_group)
-    optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=1e-3)
+    params = {id(p): p for m in modules for p in m.parameters()}  # a V's two stages share the tie
+    optimizer = torch.optim.SGD(list(params.values()), lr=1e-3)
     data = batches(spec_of(args), model_args(args))
 
     def step():
@@ -217,13 +230,17 @@ def run_peer(name: str, args, tie_group) -> dict:
     seconds, window = timed_run(step, None, args, began)
     S, per_rank = args.stages, PEER_SCHEDULES[name]
     activation = args.batch_size * args.seq_len * args.hidden * 4
-    crossings = S * per_rank - 1  # stage-to-stage sends per micro-batch, each way
-    tie = args.vocab * args.hidden * 4  # the tied gradient; each of the two ranks sends all of it (ring of 2)
+    v_shaped = name in V_SHAPED
+    # Stage-to-stage sends per micro-batch, each way (a V's turn, stage S-1 to S, stays on its rank).
+    crossings = S * per_rank - 1 - (1 if v_shaped else 0)
+    # The tied gradient; each of the two ranks sends all of it (ring of 2). A V holds both ends on rank 0.
+    tie = 0 if v_shaped else args.vocab * args.hidden * 4
     categories = {"activations": crossings * activation, "activation_gradients": crossings * activation,
                   "tie": 2 * tie}
     # Interleaved (loop placement): every boundary carries two stage-to-stage sends each way, plus
     # the wrap from the last rank back to the first (activations one way, gradients the other).
-    busiest = (1 if per_rank == 1 else 3) * activation + tie
+    # V: each link carries the way down and the way back, one activation and one gradient each way.
+    busiest = (1 if per_rank == 1 else 2 if v_shaped else 3) * activation + tie
     return dict(seconds_per_step=statistics.median(seconds), step_seconds=seconds, per_stage=None,
                 slowest_compute_per_step=None, bytes_per_step=sum(categories.values()), byte_ratio=1.0,
                 categories=categories, busiest_direction_bytes_per_step=busiest, **window)
