@@ -56,9 +56,9 @@ bench-time-to-quality-2x2: setup
 # 10 Mbit/s (about 25 minutes); root for the namespaces and `tc`
 bench-schedules: setup
 	$(PY) benchmarks/schedules.py --rates --stages 2 4 --schedules 1f1b zbh1 --peer_schedules GPipe 1F1B ZBVZeroBubble \
-		--steps 12 --repeats 5 --name schedules_zbh1_loopback
+		--steps 12 --repeats 5 --name schedules_zbh1_loopback_zbv
 	$(PY) benchmarks/schedules.py --rates 10 --no_loopback --stages 2 4 --schedules 1f1b zbh1 \
-		--link_peer_schedules GPipe 1F1B ZBVZeroBubble --name schedules_zbh1_10mbit
+		--link_peer_schedules GPipe 1F1B ZBVZeroBubble --name schedules_zbh1_10mbit_zbv
 	$(PY) benchmarks/time_to_quality.py --rate 10 --stop_at_target 4.4803 --repeats 5 \
 		--methods "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4, zbh1" \
 		--name time_to_quality_zbh1_plain_w_10mbit
