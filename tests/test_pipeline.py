@@ -502,6 +502,33 @@ def test_held_back_weight_gradients_equal_one_backward(layer_type, autocast):
 
 
 
+def test_weight_gradients_free_what_they_held():
+    """After a micro-batch's `W`, nothing keeps its layer inputs or output gradients alive (a
+    `W` recorded under autograd kept them in `.grad`'s graph until `zero_grad`): zbh1's memory
+    is bounded by the micro-batches in flight, not by the step's."""
+    import weakref
+
+    from hf_actcomp.pipeline.split_backward import WeightGradients, defer_weight_gradients
+
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    store = WeightGradients()
+    defer_weight_gradients(layers, store)
+    held = []
+    for step in range(3):  # accumulating, no zero_grad between them
+        inp = torch.randn(2, 5, 8, requires_grad=True)
+        with store.routed():
+            out = layers(inp)
+        with store.deferring(step):
+            out.sum().backward()
+        for work in store.pending[step]:
+            held += [weakref.ref(work.__self__.x), weakref.ref(work.__self__.grad_2d)]
+        del work
+        store.compute(step)
+        del inp, out
+    assert len(held) == 12 and all(ref() is None for ref in held)
+
+
 def test_compiled_blocks_keep_their_own_weight_gradients():
     """Layers inside a `torch.compile`d block are not routed (a Python side effect in their
     backward would break the compiled graph); the others are. Nothing is compiled here:
