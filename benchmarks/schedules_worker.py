@@ -174,8 +174,9 @@ def build_peer_schedule(model, name: str, args, tie_group):
     schedules; a V for ZBVZeroBubble), a `step(batch)` running `Schedule<name>` over them, then
     the all-reduce of the tied weight's gradient between the rank holding the input embedding
     and the one holding the head. In a V both are on rank 0, where the two stage modules share
-    the tied parameter (autograd sums both uses into it): nothing to exchange. Returns (modules,
-    step)."""
+    the tied parameter (autograd sums both uses into it): nothing to exchange (torch's
+    `scale_grads` then divides that one gradient once per stage holding it: a timing peer, its
+    numbers are not compared). Returns (modules, step)."""
     from torch.distributed import pipelining
 
     rank, S, M = dist.get_rank(), args.stages, args.micro_batches
