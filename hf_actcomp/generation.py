@@ -7,7 +7,7 @@ picks the next tokens with transformers' own logits processors and stopping crit
 stage rebuilds positions and masks from the 2-D attention mask alone, as `generate` does
 (positions `cumsum - 1`, pads 0), so only one token's hidden state per row crosses a boundary
 after the prompt (tests/test_generation.py checks it against `model.generate`). What each family
-computes is its adapter's cached forward (`ModelAdapter.embed_cached`, `block_context_cached`,
+computes is its adapter's cached forward (`CachedForward.embed_cached`, `block_context_cached`,
 `run_block_cached`, `head_cached`); this module keeps the loop. Two details matter:
 
 - the causal / sliding-window mask must be sized by a cache layer of THIS stage
@@ -39,7 +39,7 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 class CachedStage:
     """Blocks [start, stop) of `model` with their own KV cache, run on new tokens only: the
     adapter's cached forward (`embed_cached`, `block_context_cached`, `run_block_cached`,
-    `head_cached`; see `ModelAdapter`) in the order `StageModule.forward` runs the uncached one.
+    `head_cached`; see `CachedForward` and `ModelAdapter`) in the order `StageModule.forward` runs the uncached one.
 
     Args:
         model: the causal LM (its other stages' parameters may be freed).

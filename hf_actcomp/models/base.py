@@ -13,11 +13,33 @@ It also mirrors the same forward with a KV cache, on the new tokens only (`embed
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
 from transformers import Cache, PreTrainedModel
+
+
+class CachedForward(Protocol):
+    """The forward with a KV cache, on the new tokens only, that split generation
+    (`hf_actcomp.generation.CachedStage`) runs in `StageModule.forward`'s order: the methods an
+    adapter adds to `ModelAdapter` to generate split (`ModelAdapter.has_cached_forward`).
+
+    Positions and masks come from the 2-D mask as `generate` builds them (positions
+    `cumsum - 1`, pads 0; `attention_mask` None when there is no padding at all)."""
+
+    def embed_cached(self, input_ids: torch.LongTensor, attention_mask: Tensor | None,
+                     position_ids: Tensor) -> Tensor:
+        """Hidden states of the new tokens `input_ids` at `position_ids`; `attention_mask`: the
+        2-D mask of every token so far (None: no padding)."""
+
+    def block_context_cached(self, hidden: Tensor, attention_mask: Tensor | None, position_ids: Tensor,
+                             cache: Cache, layers: range) -> dict[str, Any]:
+        """What blocks `layers` (this stage's) need to run the new tokens `hidden` against `cache`
+        (a `transformers.DynamicCache` of every layer of the model), the cache included."""
+
+    def run_block_cached(self, index: int, hidden: Tensor, context: dict[str, Any]) -> Tensor:
+        """Apply block `index` (global index) to the new tokens, updating the cache in `context`."""
 
 
 class ModelAdapter(abc.ABC):
@@ -25,8 +47,9 @@ class ModelAdapter(abc.ABC):
 
     Subclasses set `model_types`, `blocks_path`, and implement `_embedding_paths`,
     `_head_paths`, `embed`, `block_context`, `run_block` and `head`; for split generation
-    (`Pipeline.generate`) also `embed_cached`, `block_context_cached` and `run_block_cached`
-    (and `head_cached` where the family's forward slices the last position elsewhere).
+    (`Pipeline.generate`) also `CachedForward`'s `embed_cached`, `block_context_cached` and
+    `run_block_cached` (and `head_cached` where the family's forward slices the last position
+    elsewhere).
     """
 
     model_types: ClassVar[tuple[str, ...]] = ()
@@ -119,32 +142,16 @@ class ModelAdapter(abc.ABC):
         return StageModule(self, start, stop, first=first, last=last)
 
     # -- computation with a KV cache (split generation) ---------------------------------------
-    # Positions and masks come from the 2-D mask as `generate` builds them (positions
-    # `cumsum - 1`, pads 0; `attention_mask` None when there is no padding at all). The
-    # defaults refuse: a family that does not override them cannot generate split.
+    # The cached forward is optional (`CachedForward`): a family without it still trains, and
+    # split generation refuses it before any work.
 
     CACHED_METHODS: ClassVar[tuple[str, ...]] = ("embed_cached", "block_context_cached", "run_block_cached")
 
     @classmethod
     def has_cached_forward(cls) -> bool:
-        """Whether the family implements the cached forward (every method of `CACHED_METHODS`)."""
-        return all(getattr(cls, name) is not getattr(ModelAdapter, name) for name in cls.CACHED_METHODS)
-
-    def embed_cached(self, input_ids: torch.LongTensor, attention_mask: Tensor | None,
-                     position_ids: Tensor) -> Tensor:
-        """Hidden states of the new tokens `input_ids` at `position_ids`; `attention_mask`: the
-        2-D mask of every token so far (None: no padding)."""
-        raise NotImplementedError(f"{type(self).__name__} has no cached forward (embed_cached).")
-
-    def block_context_cached(self, hidden: Tensor, attention_mask: Tensor | None, position_ids: Tensor,
-                             cache: Cache, layers: range) -> dict[str, Any]:
-        """What blocks `layers` (this stage's) need to run the new tokens `hidden` against `cache`
-        (a `transformers.DynamicCache` of every layer of the model), the cache included."""
-        raise NotImplementedError(f"{type(self).__name__} has no cached forward (block_context_cached).")
-
-    def run_block_cached(self, index: int, hidden: Tensor, context: dict[str, Any]) -> Tensor:
-        """Apply block `index` (global index) to the new tokens, updating the cache in `context`."""
-        raise NotImplementedError(f"{type(self).__name__} has no cached forward (run_block_cached).")
+        """Whether the family implements the cached forward (every method of `CACHED_METHODS`,
+        the interface `CachedForward` describes)."""
+        return all(callable(getattr(cls, name, None)) for name in cls.CACHED_METHODS)
 
     def head_cached(self, hidden: Tensor) -> Tensor:
         """The logits of the last position of the last block's output."""
