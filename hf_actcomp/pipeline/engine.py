@@ -36,7 +36,6 @@ from .mesh import build_mesh
 from .predictions import share_from_last
 from .replicas import ReplicasMixin, StepCollectives, outer_sync
 from .runner import StageRunner
-from .schedule import fused, stage_actions
 from .stats import StageStats, TelemetryMixin
 from .tie import stage_tie
 from .transport import Transport
@@ -193,9 +192,8 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
         self.runner.post_receives(micro, training=True)
         if self.tie is not None:
             self.tie.share_rows(batch["input_ids"])
-        actions = fused(stage_actions(self.plan.schedule, self.stage_index, self.mesh.num_stages, len(micro)))
         with naming_the_step("training", self.counters.steps + 1, self.stage_index):
-            total = run_actions(self.runner, actions, micro, normaliser)
+            total = run_actions(self.runner, self.runner.actions, micro, normaliser)
         if self.tie is not None:
             self.tie.gather_gradient(batch["input_ids"])
         self.transport.flush()

@@ -64,7 +64,7 @@ class StageRunner:
         self.ends: dict[str, Boundary] = {}
         self.links: dict[str, StageLink] = {}
         self.weight_gradients = WeightGradients()  # zbh1: what each micro-batch's `W` needs, from its `B`
-        self.use(plan)  # sets `plan`, `ends` and `links`
+        self.use(plan)  # sets `plan`, `ends`, `links` and `actions`
 
     @property
     def is_first(self) -> bool:
@@ -106,8 +106,9 @@ class StageRunner:
             ends[key] = end
         self.ends = {key: ends[key] for key in ENDS if key in ends}
         keep_weight_gradients(self.stage)
-        actions = fused(stage_actions(plan.schedule, self.mesh.stage, self.mesh.num_stages, plan.micro_batches))
-        if any(kind == "B" for kind, _ in actions):  # a backward split apart from its `W`
+        # This stage's part of a training step, as the executor runs it (`fused`).
+        self.actions = fused(stage_actions(plan.schedule, self.mesh.stage, self.mesh.num_stages, plan.micro_batches))
+        if any(kind == "B" for kind, _ in self.actions):  # a backward split apart from its `W`
             defer_weight_gradients(self.stage, self.weight_gradients)
         self.plan = plan
         self.links = self._links()
