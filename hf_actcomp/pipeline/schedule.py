@@ -22,8 +22,6 @@ deadlock-free as 1F1B.
 
 from __future__ import annotations
 
-import functools
-
 from ..plan import SCHEDULES
 
 Action = tuple[str, int]
@@ -44,7 +42,7 @@ def stage_actions(schedule: str, stage: int, num_stages: int, micro_batches: int
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches} must be >= 1.")
     if schedule == "zbh1":
-        return list(_zero_bubble_h1_cached(num_stages, micro_batches)[stage])
+        return zero_bubble_h1(num_stages, micro_batches)[stage]
     if schedule == "gpipe":
         order = [("F", i) for i in range(micro_batches)] + [("B", i) for i in range(micro_batches)]
     else:
@@ -81,13 +79,6 @@ def zero_bubble_h1(num_stages: int, micro_batches: int) -> list[list[Action]]:
                     order.append(("W", deferred.pop(0)))
         actions.append(order + [("W", i) for i in deferred])
     return _fused_where_free(actions)
-
-
-@functools.cache
-def _zero_bubble_h1_cached(num_stages: int, micro_batches: int) -> tuple[tuple[Action, ...], ...]:
-    """`zero_bubble_h1`, computed once per shape: every training step asks for it, and its
-    fusion pass simulates the step several times."""
-    return tuple(tuple(actions) for actions in zero_bubble_h1(num_stages, micro_batches))
 
 
 def step_length(actions: list[list[Action]]) -> int:
