@@ -438,9 +438,9 @@ def test_held_back_weight_gradients_equal_one_backward(layer_type, autocast):
     the untouched layers, here a LayerNorm, their weights' gradient) and hold back their weight
     and bias gradients, which `compute` then accumulates onto the ones already there; the result
     equals one plain backward for every parameter (plain tensors, holding no graph), under bf16
-    autocast and activation checkpointing too (whose recomputed saved tensors are detached copies: the gradient must
-    still land on the parameter). Frozen weights (a LoRA base layer) are not routed;
-    `keep_weight_gradients` restores the class's forward."""
+    autocast and activation checkpointing too (whose recomputed saved tensors are detached
+    copies: the gradient must still land on the parameter). Frozen weights (a LoRA base layer)
+    are not routed; `keep_weight_gradients` restores the class's forward."""
     from transformers.pytorch_utils import Conv1D
 
     from hf_actcomp.pipeline.split_backward import (
@@ -498,7 +498,6 @@ def test_held_back_weight_gradients_equal_one_backward(layer_type, autocast):
     assert layers[3].weight.grad is not None and not store.pending
     keep_weight_gradients(layers)
     assert not any("forward" in vars(m) for m in layers.modules())
-
 
 
 
