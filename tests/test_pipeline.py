@@ -500,7 +500,6 @@ def test_held_back_weight_gradients_equal_one_backward(layer_type, autocast):
     assert not any("forward" in vars(m) for m in layers.modules())
 
 
-
 def test_weight_gradients_free_what_they_held():
     """After a micro-batch's `W`, nothing keeps its layer inputs or output gradients alive (a
     `W` recorded under autograd kept them in `.grad`'s graph until `zero_grad`): zbh1's memory
