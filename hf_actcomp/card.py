@@ -25,29 +25,46 @@ CARD_NAME = "README.md"
 TEMPLATE_NAME = "actcomp_model_card.md"
 
 
+# What a trainer's `create_model_card(...)` may set (saved under "card" in actcomp_results.json, so
+# that every later render of the folder, `hf-actcomp card DIR` included, keeps it).
+CARD_FIELDS = ("language", "license", "tags", "model_name", "tasks", "dataset_args")
+
+
 def model_card(directory: str | os.PathLike, *, repo_id: str | None = None, base_model: str | None = None,
-               datasets: str | list[str] | None = None) -> ModelCard:
+               datasets: str | list[str] | None = None, **fields: Any) -> ModelCard:
     """Render the model card of a saved run from its plan, results and config (nothing is
-    written; see `write_model_card`)."""
+    written; see `write_model_card`). `fields` (any of `CARD_FIELDS`: `language`, `license`,
+    `tags` added to the card's own, `model_name`, `tasks`, `dataset_args`) override what the run
+    saved under "card" in its results."""
+    unknown = set(fields) - set(CARD_FIELDS)
+    if unknown:
+        raise TypeError(f"model_card() got unknown fields {sorted(unknown)}; allowed: {', '.join(CARD_FIELDS)}.")
     directory = os.fspath(directory)
     plan = Plan.from_pretrained(directory)
     results = load_results(directory)
+    card = {**results.get("card", {}), **{k: v for k, v in fields.items() if v is not None}}
+    tasks = _as_list(card.get("tasks"))
     adapter = _read_json(os.path.join(directory, "adapter_config.json"))
     config = _read_json(os.path.join(directory, "config.json"))
     base_model = base_model or results.get("base_model") or (adapter or {}).get("base_model_name_or_path")
     base_model = base_model if _is_repo_id(base_model) else None
     datasets = datasets or results.get("datasets")
     datasets = [datasets] if isinstance(datasets, str) else datasets
-    name = repo_id or results.get("repo_id") or os.path.basename(os.path.abspath(directory))
+    name = repo_id or results.get("repo_id") or card.get("model_name") or os.path.basename(os.path.abspath(directory))
     metrics = results.get("metrics", {})
+    tags = card_tags(plan, adapter is not None)
+    tags += [t for t in _as_list(card.get("tags")) if t not in tags]
     card_data = ModelCardData(
-        model_name=name.split("/")[-1],
+        model_name=card.get("model_name") or name.split("/")[-1],
+        language=card.get("language"),
+        license=card.get("license"),
         library_name="peft" if adapter else "transformers",
         base_model=base_model,
         datasets=datasets,
-        tags=card_tags(plan, adapter is not None),
-        pipeline_tag="text-generation",
-        eval_results=_eval_results(metrics, datasets) or None,
+        tags=tags,
+        pipeline_tag=tasks[0] if tasks else "text-generation",
+        eval_results=_eval_results(metrics, datasets, tasks[0] if tasks else "text-generation",
+                                   _first(card.get("dataset_args"))) or None,
     )
     usage, note = _usage(plan, repo_id or "path/to/this/model", adapter is not None, metrics)
     template = resources.files("hf_actcomp.model_cards").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
@@ -100,7 +117,17 @@ def _summary(plan: Plan, config: dict | None, adapter: dict | None) -> str:
     return f"{what}{family} fine-tuned with hf-actcomp: split into {plan.num_stages} pipeline stages{replicas}, {sent}."
 
 
-def _eval_results(metrics: dict, datasets: list[str] | None) -> list[EvalResult]:
+def _as_list(value: str | list[str] | None) -> list[str]:
+    return [value] if isinstance(value, str) else list(value or [])
+
+
+def _first(value: Any) -> Any:
+    """Trainer's per-dataset lists (`dataset_args`) describe the first dataset, as the card does."""
+    return value[0] if isinstance(value, list) and value else value
+
+
+def _eval_results(metrics: dict, datasets: list[str] | None, task: str = "text-generation",
+                  dataset_args: str | None = None) -> list[EvalResult]:
     """The `model-index` entries: eval loss and perplexity, with the codec and without it."""
     dataset = datasets[0] if isinstance(datasets, list) and datasets else datasets
     out = []
@@ -108,7 +135,7 @@ def _eval_results(metrics: dict, datasets: list[str] | None) -> list[EvalResult]
                         ("eval_plain_loss", "loss"), ("eval_plain_perplexity", "perplexity")):
         if metrics.get(key) is not None:
             plain = "plain" in key
-            out.append(EvalResult(task_type="text-generation", dataset_type=dataset or "custom",
+            out.append(EvalResult(task_type=task, dataset_type=dataset or "custom", dataset_args=dataset_args,
                                   dataset_name=dataset or "held-out evaluation set", metric_type=metric,
                                   metric_value=round(float(metrics[key]), 4),
                                   metric_name=f"{metric} ({'no compression' if plain else 'codec at inference'})"))

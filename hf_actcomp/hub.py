@@ -27,7 +27,7 @@ from .card import CARD_NAME, TEMPLATE_NAME, model_card, write_model_card
 from .card_methods import plan_compressions
 from .curves import CURVES_NAME, plot_curves
 from .plan import CONFIG_NAME
-from .run_results import RESULTS_NAME, load_results, save_results
+from .run_results import RESULTS_NAME, load_results, save_results, update_results
 
 __all__ = [
     "CARD_NAME",
@@ -42,6 +42,7 @@ __all__ = [
     "push_to_hub",
     "save_results",
     "save_run",
+    "update_results",
     "write_model_card",
 ]
 

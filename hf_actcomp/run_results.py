@@ -31,3 +31,11 @@ def load_results(directory: str | os.PathLike) -> dict:
         return {"stats": {}, "metrics": {}, "log_history": []}
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def update_results(directory: str | os.PathLike, **entries: Any) -> str:
+    """Set `entries` in the saved results of `directory`, keeping the rest (the card's metadata
+    given after the save, e.g. by `Trainer.push_to_hub(language=...)`)."""
+    results = load_results(directory)
+    results.update(entries)
+    return save_results(directory, **results)

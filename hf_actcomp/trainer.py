@@ -30,7 +30,7 @@ from . import hub
 from .checkpoint import COMPRESSION_STATE_DIR
 from .data import SAMPLE_ID
 from .launch_env import count_every_process
-from .plan import Plan
+from .plan import CONFIG_NAME, Plan
 from .resume import resolve_resume_from_checkpoint, writing_checkpoint
 from .samples import SAMPLES_KEY, LogSamplesCallback, complete
 from .trainer_backends import backend_for
@@ -118,6 +118,10 @@ class ActCompTrainer(Trainer):
         self.plan = self._backend.plan = self._plan_for_training_rows(plan)
         self._parameters_per_rank: int | None = None  # floating_point_ops' count, taken once
         self.eval_extras = EvalExtras()  # what evaluation_loop adds to Trainer's metrics
+        # What create_model_card was given, kept for every card a later save renders.
+        self._card_fields: dict[str, Any] = {}
+        self._card_base_model: str | None = None
+        self._card_datasets: str | list[str] | None = None
         self._backend.start()
         self._train_collator = self.data_collator
         if self.plan.uses_aqsgd and self.train_dataset is not None:
@@ -290,23 +294,45 @@ class ActCompTrainer(Trainer):
         self._backend.save_model(output_dir if output_dir is not None else self.args.output_dir, _internal_call)
 
     def _run_results(self) -> dict:
-        """What the card shows besides the traffic: the latest eval metrics, the log history."""
+        """What the card shows besides the traffic: the latest eval metrics, the log history, and
+        what `create_model_card` was given (with the trainer's and the model's tags)."""
         evaluations = [h for h in self.state.log_history if "eval_loss" in h]
         samples = [s for cb in self.callback_handler.callbacks if isinstance(cb, LogSamplesCallback)
                    for s in cb.samples]
+        tags = list(self._card_fields.get("tags") or [])
+        for tag in [*(getattr(self.model, "model_tags", None) or []), *getattr(self, "_tag_names", [])]:
+            if tag not in tags:
+                tags.append(tag)
+        card = {**self._card_fields, **({"tags": tags} if tags else {})}
+        extra = {"base_model": self._card_base_model} if self._card_base_model else {}
+        if self._card_datasets:
+            extra["datasets"] = self._card_datasets
         return {"metrics": evaluations[-1] if evaluations else {}, "log_history": self.state.log_history,
-                "steps": self.state.global_step, **({SAMPLES_KEY: samples} if samples else {})}
+                "steps": self.state.global_step, "card": card, **extra,
+                **({SAMPLES_KEY: samples} if samples else {})}
 
-    def create_model_card(self, language: str | None = None, license: str | None = None, tags=None,
-                          model_name: str | None = None, finetuned_from: str | None = None, tasks=None,
-                          dataset_tags=None, dataset=None, dataset_args=None, **kwargs) -> None:
+    def create_model_card(self, language: str | None = None, license: str | None = None,
+                          tags: str | list[str] | None = None, model_name: str | None = None,
+                          finetuned_from: str | None = None, tasks: str | list[str] | None = None,
+                          dataset_tags: str | list[str] | None = None, dataset: str | list[str] | None = None,
+                          dataset_args: str | list[str] | None = None, dataset_name: str | None = None) -> None:
         """The hf-actcomp card (plan, measured traffic, eval with and without the codec, how to
-        load it) instead of Trainer's; `push_to_hub` calls it before uploading."""
-        if not self.is_world_process_zero():
+        load it) instead of Trainer's, with every argument Trainer's and TRL's take (TRL's
+        `dataset_name` is `dataset`). `push_to_hub` calls it after saving; TRL's trainers call it
+        at every checkpoint, before the model is saved: the arguments are kept and the card is
+        rendered where the plan is (now if `output_dir` holds a saved model, else by its next
+        save)."""
+        fields = {"language": language, "license": license, "tags": [tags] if isinstance(tags, str) else tags,
+                  "model_name": model_name, "tasks": tasks, "dataset_args": dataset_args}
+        self._card_fields.update({k: v for k, v in fields.items() if v is not None})
+        self._card_base_model = finetuned_from or self._card_base_model
+        self._card_datasets = dataset_tags or dataset or dataset_name or self._card_datasets
+        if not self.is_world_process_zero() or not os.path.isfile(os.path.join(self.args.output_dir, CONFIG_NAME)):
             return
-        datasets_ = dataset_tags or dataset
-        hub.write_model_card(self.args.output_dir, repo_id=getattr(self, "hub_model_id", None),
-                             base_model=finetuned_from, datasets=datasets_)
+        results = self._run_results()
+        hub.update_results(self.args.output_dir, card=results["card"],
+                              **{k: results[k] for k in ("base_model", "datasets") if k in results})
+        hub.write_model_card(self.args.output_dir, repo_id=getattr(self, "hub_model_id", None))
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs):

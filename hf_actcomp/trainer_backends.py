@@ -158,9 +158,8 @@ class OneProcess(Backend):
         self.base.save_model(output_dir, _internal_call)
         if trainer.args.should_save:
             self.plan.save_pretrained(output_dir)
-            hub.save_run(output_dir, stats=self.sim.stats(), blocks=[[r.start, r.stop] for r in self.sim.ranges],
-                         base_model=getattr(unwrap_peft(trainer.model), "name_or_path", None),
-                         **trainer._run_results())
+            run = {"base_model": getattr(unwrap_peft(trainer.model), "name_or_path", None), **trainer._run_results()}
+            hub.save_run(output_dir, stats=self.sim.stats(), blocks=[[r.start, r.stop] for r in self.sim.ranges], **run)
 
     def save_compression_state(self, state_dir: str) -> None:
         if self.trainer.args.should_save:

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
         trainer = SFTTrainer(**common)
     else:
         trainer = hf_actcomp.ActCompSFTTrainer(plan=load_plan(script.plan), **common)
-    train_result = trainer.train()
+    train_result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
     metrics = {**train_result.metrics, **trainer.evaluate()}
     trainer.log_metrics("all", metrics)

@@ -146,9 +146,16 @@ def test_trainer_push_to_hub_uploads_our_card(tmp_path, monkeypatch):
     api = RecordingApi(monkeypatch)
     trainer = _train_and_save(tmp_path, push_to_hub=True, hub_model_id="user/trained", hub_private_repo=True)
     assert api.calls[0][:2] == ("create_repo", "user/trained") and api.calls[0][2]["private"] is True
-    trainer.push_to_hub(commit_message="End of training")
+    trainer.push_to_hub(commit_message="End of training", language="en", license="apache-2.0", tags="mine",
+                        tasks="text-generation", dataset_args="default", dataset="user/data")
     assert api.calls[-1][0] == "upload_folder" and api.calls[-1][2]["commit_message"] == "End of training"
     assert "hf-actcomp" in api.uploaded_card and 'from_pretrained("user/trained")' in api.uploaded_card
+    card = ModelCard(api.uploaded_card)
+    assert (card.data.language, card.data.license, card.data.model_name) == ("en", "apache-2.0", "trained")
+    assert {"mine", "hf-actcomp"} <= set(card.data.tags) and card.data.datasets == ["user/data"]
+    assert card.data.eval_results[0].dataset_args == "default"
+    # Kept with the run: re-rendering the folder (as `hf-actcomp card DIR` does) keeps them.
+    assert hub.model_card(tmp_path).data.license == "apache-2.0"
 
 
 def test_plan_saved_with_model_drives_compressed_inference(saved_run):

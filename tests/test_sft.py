@@ -30,23 +30,50 @@ SFT_CASES = {
 }
 
 
+SAVING = ["--save_strategy", "steps", "--save_steps", "2"]  # TRL writes its card at every checkpoint
+
+
 @pytest.fixture(scope="module")
 def sft_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
     for case, extra in SFT_CASES.items():
         run("sft.py", root / case / "plain", [*SFT, *extra, "--plain"])
-        run("sft.py", root / case / "one", [*SFT, *extra])
-        run("sft.py", root / case / "two", [*SFT, *extra], processes=2)
+        run("sft.py", root / case / "one", [*SFT, *extra, *SAVING])
+        run("sft.py", root / case / "two", [*SFT, *extra, *SAVING], processes=2)
+    # A new job on 2 processes resumes the 2-process run from its first checkpoint.
+    run("sft.py", root / "completion" / "resumed",
+        [*SFT, *SFT_CASES["completion"], "--resume_from_checkpoint", str(root / "completion" / "two" / "checkpoint-2")],
+        processes=2)
     return root
 
 
 @pytest.mark.parametrize("case", list(SFT_CASES))
 def test_sft_script_matches_sfttrainer(sft_runs, case):
-    """ActCompSFTTrainer in one process and on 2 (plain torchrun) logs SFTTrainer's losses and
-    eval loss and ends with its weights, with and without packing."""
+    """ActCompSFTTrainer in one process and on 2 (plain torchrun), saving a checkpoint every 2
+    steps, logs SFTTrainer's losses and eval loss and ends with its weights, with and without
+    packing."""
     for processes in ("one", "two"):
         assert_same_run(sft_runs / case / "plain", sft_runs / case / processes, metrics=("eval_loss",),
                         results="all_results.json")
+
+
+def test_sft_checkpoints_carry_the_plan_and_card_and_resume_exactly(sft_runs):
+    """SFTTrainer writes its model card at each checkpoint, before the model: here every
+    checkpoint and the output folder get the plan and our card with TRL's tags, and a new
+    2-process job resumed from step 2 logs the same losses and ends with the same weights as the
+    run that never stopped (and as SFTTrainer's)."""
+    import json
+
+    case = sft_runs / "completion"
+    for processes in ("one", "two"):
+        for folder in (case / processes, case / processes / "checkpoint-2", case / processes / "checkpoint-4"):
+            assert (folder / "actcomp_config.json").is_file(), folder
+            card = (folder / "README.md").read_text()
+            assert "hf-actcomp" in card and "- trl" in card and "- sft" in card, folder
+        saved = json.loads((case / processes / "actcomp_results.json").read_text())["card"]
+        assert saved["model_name"] == processes  # TRL names the card after the output folder
+    assert_same_run(case / "two", case / "resumed", metrics=("eval_loss",), results="all_results.json")
+    assert_same_run(case / "plain", case / "resumed", metrics=("eval_loss",), results="all_results.json")
 
 
 # ----------------------------------------------------------------------------- in one process
