@@ -25,9 +25,14 @@ class MicroBatch:
     sample_id: torch.Tensor | None
 
 
-def count_label_tokens(labels: torch.Tensor) -> int:
-    """Tokens a causal LM loss averages over: labels shifted by one, -100 ignored."""
-    return int((labels[..., 1:] != -100).sum())
+def count_label_tokens(labels: torch.Tensor, *, shifted: bool = True, shift_labels: torch.Tensor | None = None) -> int:
+    """Label tokens a loss averages over, counted as Trainer counts them (`_get_num_items_in_batch`):
+    a collator's `shift_labels` when given, else `labels` shifted by one when the loss shifts them
+    (a causal LM's), -100 ignored. The one counting rule: the pipeline's and the simulation's loss
+    normaliser, and ActCompTrainer's training and evaluation counts all use it."""
+    if shift_labels is not None:
+        return int(shift_labels.ne(-100).sum())
+    return int((labels[..., 1:] if shifted else labels).ne(-100).sum())
 
 
 def check_batch(batch: dict[str, torch.Tensor | None], plan: Plan, training: bool,

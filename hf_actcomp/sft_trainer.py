@@ -21,6 +21,8 @@ Any other Trainer subclass composes the same way: `class X(ActCompTrainer, YourT
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -39,9 +41,31 @@ except ImportError as err:  # pragma: no cover - exercised by tests/test_sft.py 
 # SFTConfig settings the stages cannot honour, each with why and what to use instead.
 _REFUSED_SFT = {
     "loss_type": (lambda v: v != "nll", "the stages compute the model's negative log-likelihood; use loss_type='nll'"),
-    "use_liger_kernel": (bool, "Liger kernels replace the whole model's forward, which the split model never calls"),
     "activation_offloading": (bool, "offloading hooks the whole model's forward, which the split model never calls"),
 }
+
+
+def _named_model_dtype(init_kwargs: dict | None, torch_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype a checkpoint given by name is loaded in, from `SFTConfig.model_init_kwargs` as
+    SFTTrainer reads them (`dtype`, float32 when unset; "auto": as saved). A rank loads only its
+    stage's tensors, so the other `from_pretrained` options cannot apply and are refused."""
+    init = dict(init_kwargs or {})
+    dtype = init.pop("dtype", init.pop("torch_dtype", None))
+    if init.get("device_map") is None:
+        init.pop("device_map", None)  # SFTTrainer's own setting for a distributed run
+    if not init.get("trust_remote_code"):
+        init.pop("trust_remote_code", None)
+    if init:
+        raise ValueError(f"ActCompSFTTrainer loads a model given by name stage by stage and takes only 'dtype' from "
+                         f"SFTConfig.model_init_kwargs; got {sorted(init)}. Load the model yourself with "
+                         "from_pretrained(name, ...) and pass it as model=, or drop them.")
+    if dtype is None:
+        return torch_dtype if torch_dtype is not None else torch.float32  # SFTTrainer's default
+    if isinstance(dtype, str):
+        dtype = None if dtype == "auto" else getattr(torch, dtype)
+    if torch_dtype is not None and dtype != torch_dtype:
+        raise ValueError(f"torch_dtype={torch_dtype} and SFTConfig.model_init_kwargs dtype={dtype} disagree: set one.")
+    return dtype
 
 
 class UnpackedPaddingFree:
@@ -79,16 +103,22 @@ class ActCompSFTTrainer(ActCompTrainer, SFTTrainer):
     """`trl.SFTTrainer` that trains the model split into the stages of `plan`, with the plan's
     compression at every boundary. Takes everything `SFTTrainer` takes (`SFTConfig`, datasets of
     text, prompt-completion or conversations, `peft_config`, `formatting_func`, ...) plus `plan=`,
-    and `ActCompTrainer`'s `pad_to_length=`, `timeout=`, `torch_dtype=`. Run it as is (one
+    and `ActCompTrainer`'s `pad_to_length=`, `timeout=`, `torch_dtype=`, `eval_plain_loss=`. A model
+    given by name is loaded with `SFTConfig.model_init_kwargs`' dtype (float32 unless set, as
+    SFTTrainer does). Run it as is (one
     process) or with `plan.world_size` processes. See docs/trainer.md."""
 
     _tag_names = ["trl", "sft", "hf-actcomp"]
 
-    def __init__(self, model=None, args=None, *, plan: Plan, **kwargs: Any) -> None:
+    def __init__(self, model=None, args=None, *, plan: Plan, torch_dtype: torch.dtype | None = None,
+                 **kwargs: Any) -> None:
         for name, (refused, why) in _REFUSED_SFT.items():
             if args is not None and refused(getattr(args, name, None)):
                 raise ValueError(f"ActCompSFTTrainer does not support SFTConfig({name}={getattr(args, name)!r}): {why}.")
-        super().__init__(model=model, args=args, plan=plan, **kwargs)
+        if isinstance(model, (str, os.PathLike)) and args is not None:
+            torch_dtype = _named_model_dtype(args.model_init_kwargs, torch_dtype)
+            args = dataclasses.replace(args, model_init_kwargs=None)  # applied here: SFTTrainer gets the model
+        super().__init__(model=model, args=args, plan=plan, torch_dtype=torch_dtype, **kwargs)
         if self.padding_free:
             if self.plan.uses_aqsgd:
                 raise ValueError(

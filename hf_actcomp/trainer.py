@@ -33,10 +33,11 @@ from .launch_env import count_every_process
 from .plan import CONFIG_NAME, Plan
 from .resume import resolve_resume_from_checkpoint, writing_checkpoint
 from .samples import SAMPLES_KEY, LogSamplesCallback, complete
-from .trainer_backends import backend_for
+from .trainer_backends import OneProcess, backend_for
 from .trainer_checks import (
     _check_arguments,
     _check_ids_are_rows,
+    _check_overrides,
     _longest_row,
     _with_num_samples,
     _with_sample_ids,
@@ -92,20 +93,25 @@ class ActCompTrainer(Trainer):
             longest `input_ids` row of `train_dataset`).
         timeout: seconds any wait on a peer stage may take before the step fails.
         torch_dtype: the dtype a checkpoint given by name is loaded in (default: as saved).
+        eval_plain_loss: evaluation also runs every batch without the boundary codecs and reports
+            `eval_plain_loss` / `_plain_token_loss` / `_plain_perplexity` beside the loss with
+            them; False skips that second forward pass (and, distributed, its uncompressed traffic).
         **kwargs: everything `transformers.Trainer` takes.
     """
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *, plan: Plan,
                  pad_to_length: int | None = None, timeout: float = 300.0, torch_dtype: torch.dtype | None = None,
-                 **kwargs: Any) -> None:
+                 eval_plain_loss: bool = True, **kwargs: Any) -> None:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a hf_actcomp.Plan, got {type(plan).__name__}.")
         if model is None:
             raise ValueError("ActCompTrainer needs a model (model_init is not supported: every rank splits the "
                              "model it is given).")
         args = args if args is not None else TrainingArguments(output_dir="trainer_output")
+        self.eval_plain_loss = eval_plain_loss
         count_every_process(args)  # torchrun / accelerate launch on a CPU-only machine
         _check_arguments(args, plan, kwargs)
+        _check_overrides(type(self), pipelined=backend_for(args.world_size, plan) is not OneProcess)
         autocast_dtype = torch.bfloat16 if args.bf16 else None
         # Before Trainer.__init__: with several processes a checkpoint given by name is loaded
         # stage by stage, and Trainer must not move the model.
@@ -161,33 +167,48 @@ class ActCompTrainer(Trainer):
 
     def _get_dataloader(self, dataset, description: str, batch_size: int, sampler_fn=None, is_training: bool = False,
                         dataloader_key: str | None = None) -> DataLoader:
-        """Trainer's dataloader, sharded over the data-parallel group (training) or not at all
-        (evaluation: every replica evaluates the whole set), never over the whole world: every
-        stage of a pipeline must read the same batches."""
+        """Trainer's dataloader (every `dataloader_*` setting, the persistent-worker evaluation
+        loader kept for the next evaluation), sharded over the data-parallel group (training) or
+        not at all (evaluation: every replica evaluates the whole set), never over the whole
+        world: every stage of a pipeline must read the same batches."""
         collator = self._train_collator if is_training else self.data_collator
         if isinstance(dataset, datasets.Dataset):
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
             collator = self._get_collator_with_removed_columns(collator, description=description)
         dataset, shards, index = self._backend.training_shard(dataset) if is_training else (dataset, 1, 0)
-        workers = self.args.dataloader_num_workers
-        params: dict[str, Any] = {"batch_size": batch_size, "collate_fn": collator, "num_workers": workers,
-                                  "pin_memory": self.args.dataloader_pin_memory}
-        if workers > 0:
-            params.update(persistent_workers=self.args.dataloader_persistent_workers,
-                          prefetch_factor=self.args.dataloader_prefetch_factor,
-                          # Seeded by replica, not rank: the stages of a pipeline must collate alike.
-                          worker_init_fn=partial(seed_worker, num_workers=workers, rank=index))
+        args = self.args
+        params: dict[str, Any] = {
+            "batch_size": batch_size, "collate_fn": collator, "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory, "persistent_workers": args.dataloader_persistent_workers,
+            "multiprocessing_context": args.dataloader_multiprocessing_context,
+            "prefetch_factor": args.dataloader_prefetch_factor, "in_order": args.dataloader_in_order,
+        }
         if not isinstance(dataset, IterableDataset):
             params["sampler"] = sampler_fn(dataset) if sampler_fn is not None else None
-            params["drop_last"] = self.args.dataloader_drop_last
+            params["drop_last"] = args.dataloader_drop_last
+            if is_training:  # seeded by replica, not rank: the stages of a pipeline must collate alike
+                params["worker_init_fn"] = partial(seed_worker, num_workers=args.dataloader_num_workers, rank=index)
         acc = self.accelerator
-        return prepare_data_loader(
+        config = acc.dataloader_config
+        dataloader = prepare_data_loader(
             DataLoader(dataset, **params), acc.device, num_processes=shards, process_index=index if shards > 1 else 0,
             split_batches=acc.split_batches, put_on_device=acc.device_placement, rng_types=acc.rng_types.copy(),
-            even_batches=acc.even_batches, use_seedable_sampler=acc.use_seedable_sampler,
-            data_seed=acc.dataloader_config.data_seed, non_blocking=acc.non_blocking,
+            even_batches=acc.even_batches, use_seedable_sampler=acc.use_seedable_sampler, data_seed=config.data_seed,
+            non_blocking=acc.non_blocking, use_stateful_dataloader=config.use_stateful_dataloader,
         )
+        if dataloader_key is not None and args.dataloader_persistent_workers:  # as Trainer keeps it
+            self._eval_dataloaders = {**getattr(self, "_eval_dataloaders", {}), dataloader_key: dataloader}
+        return dataloader
+
+    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+        """Trainer's count of input tokens seen (`include_num_input_tokens_seen`, and so
+        `train_tokens_per_second`), over the replicas: Trainer adds every process's batch, and the
+        stages of one pipeline read the same one. (Trainer's private method: its only count.)"""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        added = self.state.num_input_tokens_seen - before
+        self.state.num_input_tokens_seen = before + added // self._backend.ranks_per_batch
 
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
         return args.per_device_train_batch_size * args.gradient_accumulation_steps * self._backend.num_replicas
@@ -258,7 +279,7 @@ class ActCompTrainer(Trainer):
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):
         """Trainer's own loop (so `compute_metrics`, `preprocess_logits_for_metrics`, `predict()`
         and the rest keep their contract), fed by the stages; the metrics also get
-        `{prefix}_plain_loss` (without the boundary codecs), `{prefix}_token_loss` /
+        `{prefix}_plain_loss` (without the boundary codecs, unless `eval_plain_loss=False`), `{prefix}_token_loss` /
         `_plain_token_loss` (mean per predicted token) and `{prefix}_perplexity` /
         `_plain_perplexity`. See `hf_actcomp.trainer_evaluation`."""
         self.eval_extras = EvalExtras()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from . import hub
+from .batching import count_label_tokens
 from .inference import compressed_inference
 from .models import unwrap_peft
 from .pipeline import prepare
@@ -31,6 +32,7 @@ from .simulate import simulate
 from .trainer_evaluation import (
     in_process_prediction_step,
     pipelined_prediction_step,
+    trainer_item_count,
     without_gathering,
 )
 
@@ -85,6 +87,7 @@ class OneProcess(Backend):
     """The plan's stages in this process (`simulate`), under Trainer's own loop."""
 
     num_replicas = 1
+    ranks_per_batch = 1  # processes that read each batch
 
     def non_embedding_parameters(self, model) -> int:
         """What Trainer's flop estimate counts: the model's parameters without its embeddings."""
@@ -189,6 +192,11 @@ class Pipelined(Backend):
     def num_replicas(self) -> int:
         return self.plan.data_parallel
 
+    @property
+    def ranks_per_batch(self) -> int:
+        """Processes that read each batch: every stage of its pipeline."""
+        return self.plan.num_stages
+
     def non_embedding_parameters(self, model) -> int:
         """This rank's share of Trainer's flop count: its stage's parameters without embeddings
         (a tied weight counted once, as transformers counts it). Trainer sums the ranks' estimates,
@@ -228,13 +236,13 @@ class Pipelined(Backend):
         """Label tokens of the optimizer step over every replica (not over every rank: the
         stages of one pipeline read the same batch). Only the last stage computes a loss, so only
         it sums over the replicas (a collective); the others keep their own count, unused."""
-        if not batch_samples or "labels" not in batch_samples[0]:
+        counts = [trainer_item_count(self.trainer, batch) for batch in batch_samples]
+        if not counts or counts[0] is None:  # the model takes each batch's own mean (see training_step)
             return None
-        # Counted as Trainer counts (shifted only when it knows the loss shifts), so that the
-        # logged loss equals plain Trainer's on the unsplit model.
-        shifted = self.trainer._loss_shifts_labels
-        local = sum(int(((b["labels"][..., 1:] if shifted else b["labels"]) != -100).sum()) for b in batch_samples)
-        return self.pipe.count_over_replicas(local) if self.pipe.is_last else local
+        return self._over_replicas(sum(counts))
+
+    def _over_replicas(self, count: int) -> int:
+        return self.pipe.count_over_replicas(count) if self.pipe.is_last else count
 
     # -- training
     def optimized_module(self, model):
@@ -252,11 +260,18 @@ class Pipelined(Backend):
         if hasattr(optimizer, "train") and callable(optimizer.train):
             optimizer.train()
         self.pipe.train()  # Trainer's evaluation loop leaves the runner in eval mode
+        steps = trainer.current_gradient_accumulation_steps
+        scaled = num_items_in_batch is not None
+        if not scaled and steps > 1 and inputs.get("labels") is not None:
+            # Where Trainer lets the model take each batch's own mean (no loss kwargs), it divides
+            # that mean by the accumulation steps before the backward: the same, as a normaliser.
+            num_items_in_batch = self._over_replicas(count_label_tokens(inputs["labels"])) * steps
+            scaled = True
         out = self.pipe.train_step(inputs, num_items_in_batch=num_items_in_batch,
                                    sync=trainer.accelerator.sync_gradients)
         loss = out.loss.detach()
-        if num_items_in_batch is None:
-            loss = loss / trainer.current_gradient_accumulation_steps
+        if not scaled:
+            loss = loss / steps
         return loss.to(trainer.args.device)
 
     def clip_grad_norm(self, model):

@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import datasets
-from transformers import TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from . import hub
 from .data import SAMPLE_ID, add_sample_ids
+from .pipeline.construction import check_compiled_schedule
 from .plan import Plan, launched_per_replica
 from .trackers import check_trackers
 
@@ -19,6 +20,7 @@ _REFUSED = {
     "deepspeed": "DeepSpeed shards parameters and optimizer state over all ranks, which here hold different stages",
     "fsdp": "FSDP shards every parameter over all ranks, which here hold different stages",
     "fp16": "fp16 needs a loss scaler shared by all stages; use bf16=True",
+    "use_liger_kernel": "Liger kernels replace the whole model's forward, which the split model never calls",
 }
 
 
@@ -38,6 +40,7 @@ def _check_ids_are_rows(dataset: datasets.Dataset, plan: Plan) -> None:
 
 def _check_arguments(args: TrainingArguments, plan: Plan, kwargs: dict[str, Any]) -> None:
     """Refuse, before any work, what cannot run split into stages, and a wrong process count."""
+    world = args.world_size
     for name, reason in _REFUSED.items():
         if getattr(args, name, None):
             raise ValueError(f"ActCompTrainer does not support TrainingArguments({name}=...): {reason}.")
@@ -45,6 +48,11 @@ def _check_arguments(args: TrainingArguments, plan: Plan, kwargs: dict[str, Any]
         raise ValueError("ActCompTrainer does not support train_sampling_strategy='batch_rebalance': it deals batches "
                          "per rank, while the stages of a pipeline must read the same batches. Use 'random' or "
                          "'group_by_length'.")
+    if world > 1 and getattr(getattr(args, "accelerator_config", None), "dispatch_batches", None):
+        raise ValueError("ActCompTrainer with several processes does not support accelerator_config.dispatch_batches="
+                         "True: it deals one batch's slices out over all ranks, while the stages of a pipeline must "
+                         "each read the whole batch. Leave it unset (every stage reads the batches itself).")
+    check_compiled_schedule(plan, bool(getattr(args, "torch_compile", False)) and world > 1)
     if args.label_smoothing_factor:
         raise ValueError("ActCompTrainer does not support label_smoothing_factor: the last stage computes the "
                          "model's own loss.")
@@ -52,7 +60,6 @@ def _check_arguments(args: TrainingArguments, plan: Plan, kwargs: dict[str, Any]
     if args.push_to_hub and hub.hub_constants.HF_HUB_OFFLINE:
         raise RuntimeError("TrainingArguments(push_to_hub=True) but HF_HUB_OFFLINE is set: unset it to upload, or "
                            "train with push_to_hub=False and push the saved folder later (hf_actcomp.hub.push_to_hub).")
-    world = args.world_size
     if launched_per_replica(plan):  # DiLoCo, one launch per replica (REPLICA_GROUP_ID)
         if world != plan.num_stages:
             raise ValueError(f"A DiLoCo replica launched on its own (REPLICA_GROUP_ID) needs Plan.num_stages="
@@ -70,6 +77,50 @@ def _check_arguments(args: TrainingArguments, plan: Plan, kwargs: dict[str, Any]
             if kwargs.get(key) not in (None, (None, None)):
                 raise ValueError(f"ActCompTrainer with several processes does not take {key}=: {reason}. Choose "
                                  "the optimizer with TrainingArguments(optim=..., optim_args=...).")
+
+
+# Trainer methods a subclass may extend with several processes, as long as its override calls the
+# parent's (`super().name(...)`): ActCompTrainer's own does what the stages need there.
+_EXTENDABLE = {
+    "training_step": "runs this rank's stage of the batch's forward and backward (Pipeline.train_step)",
+    "prediction_step": "runs the batch through the stages and shares the last stage's logits with every rank",
+    "evaluation_loop": "turns Trainer's gathers across processes off (every rank evaluates the whole set)",
+}
+
+
+def _overriding_class(cls: type, name: str) -> type | None:
+    """The class of `cls`'s MRO whose `name` runs, unless it is Trainer's or this package's."""
+    owner = next(c for c in cls.__mro__ if name in vars(c))
+    return None if owner is Trainer or owner.__module__.split(".")[0] == "hf_actcomp" else owner
+
+
+def _calls_parent(function, name: str) -> bool:
+    """Whether `function`'s code calls `super().name` (both names are looked up in its body)."""
+    code = getattr(function, "__code__", None)
+    return code is not None and {"super", name} <= set(code.co_names)
+
+
+def _check_overrides(cls: type, pipelined: bool) -> None:
+    """With several processes, refuse a subclass's override that the stages would bypass: any
+    `compute_loss` (the last stage computes the loss inside the pipeline step), and a
+    `training_step` / `prediction_step` / `evaluation_loop` that does not call the parent's. In
+    one process each runs as under Trainer. `log` and every other method run on every rank."""
+    if not pipelined:
+        return
+    owner = _overriding_class(cls, "compute_loss")
+    if owner is not None:
+        raise ValueError(
+            f"{owner.__qualname__}.compute_loss would be bypassed: with several processes ActCompTrainer never calls "
+            "compute_loss, the last stage computes the model's loss inside the pipeline step. Set the loss on the "
+            "model instead (model.loss_function = fn(logits, labels, vocab_size, num_items_in_batch=None, **kw), "
+            "which every stage layout calls), or run in one process, where compute_loss is honoured.")
+    for name, what in _EXTENDABLE.items():
+        owner = _overriding_class(cls, name)
+        if owner is not None and not _calls_parent(vars(owner)[name], name):
+            raise ValueError(
+                f"{owner.__qualname__}.{name} does not call super().{name}(...): with several processes "
+                f"ActCompTrainer's {name} {what}, and an override that replaces it would bypass the stages. Call "
+                f"super().{name}(...) inside the override (before or after your own code), or run in one process.")
 
 
 def _with_sample_ids(dataset):

@@ -30,20 +30,18 @@ import torch
 from accelerate.utils import recursively_apply
 from transformers.trainer_pt_utils import nested_detach
 
-from .batching import BATCH_KEYS, count_label_tokens
+from .batching import count_label_tokens
 
 
 def trainer_item_count(trainer, inputs: dict[str, Any]) -> int | None:
-    """What plain Trainer in one process divides a batch's token-loss sum by
+    """What plain Trainer in one process divides a batch's token-loss sum by, in training and in
+    evaluation
     (`Trainer._get_num_items_in_batch` without its cross-process gather, which here would add
     the stages of one pipeline), or None where Trainer lets the model take its own mean."""
     if inputs.get("labels") is None or not (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func):
         return None
-    if "shift_labels" in inputs:
-        labels = inputs["shift_labels"]
-    else:
-        labels = inputs["labels"][..., 1:] if trainer._loss_shifts_labels else inputs["labels"]
-    return int(labels.ne(-100).sum())
+    return count_label_tokens(inputs["labels"], shifted=trainer._loss_shifts_labels,
+                              shift_labels=inputs.get("shift_labels"))
 
 
 class EvalExtras:
@@ -52,30 +50,36 @@ class EvalExtras:
 
     def __init__(self) -> None:
         self.rows = 0
+        self.plain_rows = 0  # rows evaluated without the codec too (none when that pass is off)
         self.plain = 0.0  # sum of the batches' losses without the codec (Trainer's), weighted by rows
         self.token_sums = [0.0, 0.0]  # token-loss sums with and without the codec
         self.tokens = 0
 
     def add(self, loss: torch.Tensor | None, plain: torch.Tensor | None, count: int | None, labels) -> None:
-        if loss is None or plain is None:
+        """One batch's loss with the codec and, unless the second pass is off (None), without."""
+        if loss is None:
             return
         tokens = count_label_tokens(labels)
         divisor = count if count is not None else tokens
         rows = labels.shape[0]  # Trainer weighs a batch's loss by its rows (the last one cut to its own)
         self.rows += rows
-        self.plain += float(plain) * rows
         self.token_sums[0] += float(loss) * divisor
-        self.token_sums[1] += float(plain) * divisor
         self.tokens += tokens
+        if plain is not None:
+            self.plain_rows += rows
+            self.plain += float(plain) * rows
+            self.token_sums[1] += float(plain) * divisor
 
     def metrics(self, prefix: str) -> dict[str, float]:
         if not self.rows:
             return {}
         token_loss, plain_token_loss = (s / max(self.tokens, 1) for s in self.token_sums)
-        return {f"{prefix}_plain_loss": self.plain / self.rows,
-                f"{prefix}_token_loss": token_loss, f"{prefix}_plain_token_loss": plain_token_loss,
-                f"{prefix}_perplexity": math.exp(min(token_loss, 50.0)),
-                f"{prefix}_plain_perplexity": math.exp(min(plain_token_loss, 50.0))}
+        out = {f"{prefix}_token_loss": token_loss, f"{prefix}_perplexity": math.exp(min(token_loss, 50.0))}
+        if self.plain_rows:
+            out.update({f"{prefix}_plain_loss": self.plain / self.plain_rows,
+                        f"{prefix}_plain_token_loss": plain_token_loss,
+                        f"{prefix}_plain_perplexity": math.exp(min(plain_token_loss, 50.0))})
+        return out
 
 
 def _labels(trainer, inputs: dict[str, Any]):
@@ -94,11 +98,12 @@ def in_process_prediction_step(trainer, base, model, inputs, prediction_loss_onl
     if loss is not None:
         inputs = trainer._prepare_inputs(inputs)
         count = trainer.eval_item_count(inputs)
-        plain_inputs = {k: v for k, v in inputs.items() if k != "sample_id"}
-        if count is not None and trainer.model_accepts_loss_kwargs:
-            plain_inputs["num_items_in_batch"] = count
-        with torch.no_grad(), trainer.compute_loss_context_manager(), trainer.autocast_smart_context_manager():
-            plain = trainer.model(**plain_inputs).loss.detach()
+        if trainer.eval_plain_loss:
+            plain_inputs = {k: v for k, v in inputs.items() if k != "sample_id"}
+            if count is not None and trainer.model_accepts_loss_kwargs:
+                plain_inputs["num_items_in_batch"] = count
+            with torch.no_grad(), trainer.compute_loss_context_manager(), trainer.autocast_smart_context_manager():
+                plain = trainer.model(**plain_inputs).loss.detach()
         trainer.eval_extras.add(loss, plain, count, inputs["labels"])
     return loss, logits, labels
 
@@ -109,12 +114,13 @@ def pipelined_prediction_step(trainer, pipe, inputs, prediction_loss_only: bool,
     inputs = trainer._prepare_inputs(inputs)
     labels = _labels(trainer, inputs)
     count = trainer.eval_item_count(inputs)
-    batch = {k: inputs[k] for k in BATCH_KEYS if inputs.get(k) is not None}
+    # Every key, as training passes them: a key the stages cannot take fails as it does there.
+    batch = {k: v for k, v in inputs.items() if v is not None}
     out = pipe.eval_step(batch, compress=True, num_items_in_batch=count, keep_logits=not prediction_loss_only)
     loss = out.loss
     if loss is not None:
         loss = loss.detach().to(trainer.args.device)
-        plain = pipe.eval_step(batch, compress=False, num_items_in_batch=count).loss
+        plain = pipe.eval_step(batch, compress=False, num_items_in_batch=count).loss if trainer.eval_plain_loss else None
         trainer.eval_extras.add(loss, plain, count, batch["labels"])
     if prediction_loss_only:
         return loss, None, None

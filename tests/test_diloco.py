@@ -128,6 +128,70 @@ def test_pseudo_gradient_codec_sizes_and_error_feedback(method, bits, payload, w
     assert codec.decode(codec.encode_nothing()).abs().max() == 0
 
 
+class _Work:
+    def __init__(self, error=None):
+        self.error = error
+
+    def wait(self):
+        if self.error is not None:
+            raise self.error
+
+
+class _OneReplicaGroup:
+    """A process group of one replica whose collectives succeed, fail to start, or fail in wait()."""
+
+    def __init__(self, start_error=None, wait_error=None):
+        self.start_error, self.wait_error = start_error, wait_error
+
+    def size(self):
+        return 1
+
+    def allgather(self, outputs, inputs, opts):
+        if self.start_error is not None:
+            raise self.start_error
+        outputs[0][0].copy_(inputs[0])
+        return _Work(self.wait_error)
+
+
+class _FailingCodec:
+    def __init__(self, fail_in):
+        self.fail_in = fail_in
+
+    def encode(self, flat):
+        if self.fail_in == "encode":
+            raise ValueError("codec bug in encode")
+        return flat.clone()
+
+    def decode(self, payload):
+        if self.fail_in == "decode":
+            raise ValueError("codec bug in decode")
+        return payload
+
+
+@pytest.mark.parametrize("fail_in", ["encode", "decode"])
+def test_a_codec_error_raises_instead_of_discarding_the_sync(fail_in):
+    """Only a failed collective is a lost peer (the sync discarded, grads kept); a codec's error
+    is a bug and reaches the caller."""
+    from hf_actcomp.dp.exchange import PseudoGradientExchange
+
+    errors, done = [], []
+    grads = [torch.ones(3), torch.ones(2)]
+
+    def exchange(pg, codec):
+        return PseudoGradientExchange(grads, pg, codec=codec, participating=True, participants=1,
+                                      on_error=errors.append, on_done=lambda *a: done.append(a))
+
+    with pytest.raises(ValueError, match=f"codec bug in {fail_in}"):
+        exchange(_OneReplicaGroup(), _FailingCodec(fail_in)).wait()
+    assert errors == [] and done == []
+    for failure in ({"start_error": RuntimeError("Connection closed by peer")},
+                    {"wait_error": TimeoutError("future did not complete within 1s")}):
+        exchange(_OneReplicaGroup(**failure), _FailingCodec(None)).wait()
+    assert [type(e) for e in errors] == [RuntimeError, TimeoutError] and done == []
+    exchange(_OneReplicaGroup(), _FailingCodec(None)).wait()
+    assert len(done) == 1 and all(torch.equal(g, torch.ones_like(g)) for g in grads)
+
+
 def test_heal_transport_keeps_nested_state_with_int_keys():
     state = {"user": {"StreamingDiLoCoFragment_0": {
         "outer_optimizer": {"state": {0: {"momentum_buffer": torch.randn(3)}},

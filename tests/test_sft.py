@@ -142,6 +142,24 @@ def test_refused_before_training(tmp_path):
                                      train_dataset=offline_rows("text", 16), processing_class=tokenizer)
 
 
+def test_model_by_name_takes_model_init_kwargs(tmp_path):
+    """SFTConfig.model_init_kwargs apply to a model given by name: its dtype (float32 when unset,
+    as SFTTrainer does); options a stage-by-stage load cannot apply are refused."""
+    import hf_actcomp
+
+    tokenizer, offline_rows = _sft_pieces()
+    debug_model("gpt2", seed=0, vocab_size=len(tokenizer)).to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    common = dict(plan=Plan(num_stages=2), train_dataset=offline_rows("text", 16), processing_class=tokenizer)
+    for init, dtype in ((None, torch.float32), ({"dtype": "bfloat16"}, torch.bfloat16), ({"dtype": "auto"}, torch.bfloat16)):
+        trainer = hf_actcomp.ActCompSFTTrainer(model=str(tmp_path / "model"),
+                                               args=_config(tmp_path / "out", model_init_kwargs=init), **common)
+        assert next(trainer.model.parameters()).dtype == dtype, init
+    with pytest.raises(ValueError, match=r"takes only 'dtype' from SFTConfig.model_init_kwargs; got \['attn_implementation'\]"):
+        hf_actcomp.ActCompSFTTrainer(model=str(tmp_path / "model"),
+                                     args=_config(tmp_path / "out", model_init_kwargs={"attn_implementation": "eager"}),
+                                     **common)
+
+
 def test_without_trl_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "trl", None)
     monkeypatch.delitem(sys.modules, "hf_actcomp.sft_trainer", raising=False)

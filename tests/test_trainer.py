@@ -14,7 +14,7 @@ import pytest
 import torch
 from distributed import run_workers
 from safetensors.torch import load_file
-from trainer_cases import lora_model, pad_collator, ragged_dataset, training_args
+from trainer_cases import extending_trainer, lora_model, pad_collator, ragged_dataset, training_args
 from transformers import Trainer, TrainingArguments
 
 import hf_actcomp
@@ -22,10 +22,11 @@ from hf_actcomp import ActCompTrainer, Compression, MemoryConfig, Plan
 from hf_actcomp.debug import debug_model
 from hf_actcomp.trainer import PadToLength, _check_arguments
 from hf_actcomp.trainer_backends import OneProcess, Pipelined
+from hf_actcomp.trainer_checks import _check_overrides
 
 
 def _logged(trainer, key: str) -> list[float]:
-    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
+    return [h[key] for h in trainer.state.log_history if key in h and "train_loss" not in h]  # not the summary
 
 
 def _reference(tmp_path, model, batch_size: int = 4, **overrides):
@@ -239,6 +240,7 @@ def test_pad_to_length_changes_no_loss_or_gradient():
         ("fsdp", "full_shard", "fsdp=.*FSDP shards"),
         ("fp16", True, "fp16 needs a loss scaler"),
         ("label_smoothing_factor", 0.1, "label_smoothing_factor"),
+        ("use_liger_kernel", True, "use_liger_kernel=.*replace the whole model's forward"),
         ("train_sampling_strategy", "batch_rebalance", "batch_rebalance.*must read the same batches"),
         ("world_size", 3, "needs 2 processes \\(or 1, to run the stages in-process\\), but this job has 3"),
     ],
@@ -256,6 +258,40 @@ def test_refuses_optimizer_from_outside_with_several_processes():
                            label_smoothing_factor=0.0, world_size=2, report_to=[], push_to_hub=False)
     with pytest.raises(ValueError, match="does not take optimizers="):
         _check_arguments(args, Plan(num_stages=2), {"optimizers": (torch.optim.SGD([torch.zeros(1)], lr=1), None)})
+
+
+def test_refused_with_several_processes():
+    """Settings that would deal one batch out over the stages, or leave zbh1 nothing to defer."""
+    def args(**overrides):
+        return SimpleNamespace(**{**dict(deepspeed=None, fsdp=None, fp16=False, torch_compile=False,
+                                         label_smoothing_factor=0.0, world_size=2, report_to=[], push_to_hub=False,
+                                         accelerator_config=SimpleNamespace(dispatch_batches=None)), **overrides})
+
+    with pytest.raises(ValueError, match="dispatch_batches=True: it deals one batch's slices"):
+        _check_arguments(args(accelerator_config=SimpleNamespace(dispatch_batches=True)), Plan(num_stages=2), {})
+    with pytest.raises(ValueError, match=r"torch_compile=True\)\) with Plan\(schedule='zbh1'\)"):
+        _check_arguments(args(torch_compile=True), Plan(num_stages=2, schedule="zbh1"), {})
+    _check_arguments(args(torch_compile=True), Plan(num_stages=2), {})  # 1f1b compiles
+    _check_arguments(args(torch_compile=True, world_size=1), Plan(num_stages=2, schedule="zbh1"), {})  # in-process
+
+
+def test_evaluation_without_the_second_pass(tmp_path):
+    """eval_plain_loss=False: one forward per batch (the model itself is never called), the same
+    eval_loss and token loss, no plain metrics."""
+    def trainer(name, **kwargs):
+        return ActCompTrainer(model=debug_model("gpt2", seed=0), args=training_args(str(tmp_path / name)),
+                              plan=Plan(num_stages=2, forward=Compression("quantize", bits=4)),
+                              eval_dataset=ragged_dataset(8, seed=1), data_collator=pad_collator, **kwargs)
+
+    both = trainer("both").evaluate()
+    one = trainer("one", eval_plain_loss=False)
+    calls = []
+    one.model.register_forward_hook(lambda *args: calls.append(1))
+    metrics = one.evaluate()
+    assert calls == [] and "eval_plain_loss" not in metrics and "eval_plain_perplexity" not in metrics
+    assert both["eval_plain_loss"] != both["eval_loss"]  # the codec costs something: two passes
+    for key in ("eval_loss", "eval_token_loss", "eval_perplexity"):
+        assert metrics[key] == pytest.approx(both[key], rel=1e-6), key
 
 
 def test_plan_must_be_a_plan(tmp_path):
@@ -294,6 +330,11 @@ def two_processes(tmp_path_factory):
         "auto": {"plan": Plan.auto(num_stages=2, micro_batches=2).to_dict(), "save": str(root / "auto")},
         # zero-bubble H1 under Trainer, with every block recomputed in the backward
         "zbh1": {"plan": {"num_stages": 2, "schedule": "zbh1"}, "args": {"activation_checkpointing": True}},
+        # a user's subclass extending training_step, prediction_step, evaluation_loop and log
+        "subclass": {"plan": {"num_stages": 2}, "subclass": True, "evaluate": True,
+                     "args": {"include_num_input_tokens_seen": "non_padding"}},
+        # a model that takes no loss kwargs: Trainer passes no num_items_in_batch
+        "model_mean": {"plan": {"num_stages": 2}, "model_mean": True},
         # Trainer's evaluation contract: compute_metrics on what include_for_metrics adds, predict()
         "predict": {"plan": {"num_stages": 2}, "predict": True,
                     "args": {"include_for_metrics": ["inputs", "loss"], "eval_accumulation_steps": 1,
@@ -379,6 +420,80 @@ def test_distributed_matches_plain_trainer(tmp_path, request, data_parallel):
         if data_parallel == 1:  # replicas pad their own half-batches, so their token counts differ
             # Trainer sums the ranks' flop estimates: each rank counts its stage's share, once.
             assert result["total_flos"] == pytest.approx(reference.state.total_flos, rel=1e-9)
+
+
+def test_subclass_extending_trainer_runs_alike_on_every_process_count(tmp_path, two_processes):
+    """A subclass overriding training_step, prediction_step, evaluation_loop and log, each through
+    super(), has the same effect in one process and on 2: the logged losses and the eval loss
+    doubled, its metric added, every training log seen (on every rank); the weights and
+    the input tokens seen are plain Trainer's."""
+    reference_model = debug_model("gpt2", seed=0)
+    reference = _reference(tmp_path, reference_model, include_num_input_tokens_seen="non_padding")
+    expected_eval = reference.evaluate(ragged_dataset(8, seed=1))["eval_loss"]
+    model = debug_model("gpt2", seed=0)
+    trainer = extending_trainer()(
+        model=model, args=training_args(str(tmp_path / "one"), include_num_input_tokens_seen="non_padding"),
+        plan=Plan(num_stages=2), train_dataset=ragged_dataset(), eval_dataset=ragged_dataset(8, seed=1),
+        data_collator=pad_collator)
+    trainer.train()
+    runs = [(_logged(trainer, "loss"), trainer.evaluate(), trainer.state.num_input_tokens_seen, trainer.seen_logs,
+             {n: p.detach() for n, p in model.named_parameters()})]
+    out, results = _results(two_processes, "subclass", 2)
+    for rank, result in enumerate(results):
+        runs.append((result["losses"], result["metrics"], result["tokens_seen"], result["seen_logs"],
+                     _stage_weights(out, 2, 2)[rank]))
+    for losses, metrics, tokens_seen, logs, weights in runs:
+        assert losses == pytest.approx([2 * x for x in _logged(reference, "loss")], rel=1e-6)
+        assert metrics["eval_loss"] == pytest.approx(2 * expected_eval, rel=1e-5)
+        assert metrics["eval_extended"] == 1.0
+        assert tokens_seen == reference.state.num_input_tokens_seen  # not once per stage
+        assert [log["loss"] for log in logs if "loss" in log] == pytest.approx(losses)  # every training log
+        for name, value in weights.items():
+            torch.testing.assert_close(value, reference_model.get_parameter(name).detach(), rtol=0, atol=1e-4, msg=name)
+
+
+def test_distributed_model_taking_its_own_mean_matches_plain_trainer(tmp_path, two_processes):
+    """A model that takes no loss kwargs: Trainer passes no num_items_in_batch and divides each
+    batch's mean by the accumulation steps; 2 processes give the same losses, norms, weights."""
+    reference_model = debug_model("gpt2", seed=0)
+    reference_model.accepts_loss_kwargs = False
+    reference = _reference(tmp_path, reference_model)
+    assert reference.model_accepts_loss_kwargs is False
+    out, results = _results(two_processes, "model_mean", 2)
+    for rank, result in enumerate(results):
+        norms = [h["grad_norm"] for h in result["logs"]]
+        _assert_same_run(reference, result["losses"], norms, _stage_weights(out, 2, 2)[rank], reference_model)
+
+
+class _DoublingLoss(ActCompTrainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return 2 * super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+class _ReplacingStep(ActCompTrainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        return torch.zeros(())
+
+
+def test_overrides_the_stages_would_bypass_are_refused_with_several_processes(tmp_path, monkeypatch):
+    """With several processes a compute_loss override, or a step override that never calls the
+    parent's, stops construction naming the method and what to do; in one process compute_loss
+    is honoured as Trainer honours it."""
+    with pytest.raises(ValueError, match=r"_DoublingLoss.compute_loss would be bypassed.*model.loss_function"):
+        _check_overrides(_DoublingLoss, pipelined=True)
+    with pytest.raises(ValueError, match=r"_ReplacingStep.training_step does not call super\(\).training_step"):
+        _check_overrides(_ReplacingStep, pipelined=True)
+    _check_overrides(extending_trainer(), pipelined=True)  # every override calls super()
+    # Construction itself refuses, before any process group or model work.
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="compute_loss would be bypassed"):
+        _DoublingLoss(model=debug_model("gpt2"), args=training_args(str(tmp_path / "two")), plan=Plan(num_stages=2))
+    monkeypatch.undo()
+    reference = _reference(tmp_path, debug_model("gpt2", seed=0))
+    trainer = _DoublingLoss(model=debug_model("gpt2", seed=0), args=training_args(str(tmp_path / "one"), max_steps=1),
+                            plan=Plan(num_stages=2), train_dataset=ragged_dataset(), data_collator=pad_collator)
+    trainer.train()
+    assert _logged(trainer, "loss")[0] == pytest.approx(2 * _logged(reference, "loss")[0], rel=1e-6)
 
 
 def test_distributed_plan_auto_is_measured_and_saved(two_processes):

@@ -75,3 +75,32 @@ def token_metrics(prediction) -> dict[str, float]:
             "mean_prediction": float(preds[preds != -100].mean()),
             "inputs_sum": int(prediction.inputs[prediction.inputs != -100].sum()),
             "losses_mean": float(prediction.losses.mean())}
+
+
+def extending_trainer():
+    """A user's ActCompTrainer subclass that extends Trainer's methods through super(): the
+    logged training loss and the evaluation loss doubled, one metric added, every log kept."""
+    from hf_actcomp import ActCompTrainer
+
+    class ExtendingTrainer(ActCompTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.seen_logs: list[dict] = []
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            return 2 * super().training_step(model, inputs, num_items_in_batch)
+
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            return 2 * loss, logits, labels
+
+        def evaluation_loop(self, *args, **kwargs):
+            output = super().evaluation_loop(*args, **kwargs)
+            output.metrics[f"{kwargs.get('metric_key_prefix', 'eval')}_extended"] = 1.0
+            return output
+
+        def log(self, logs, start_time=None):
+            self.seen_logs.append(dict(logs))
+            super().log(logs, start_time)
+
+    return ExtendingTrainer

@@ -17,11 +17,17 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOption
 from .base import ring_allreduce_bytes
 from .diloco import PseudoGradientCodec
 
+# What a failed collective raises: gloo/NCCL errors (`torch.distributed.DistError` and the
+# RuntimeErrors gloo raises for a closed connection), torchft's timeouts and quorum errors, socket
+# errors. Only the collective's own calls are guarded by it.
+COMMUNICATION_ERRORS = (RuntimeError, TimeoutError, OSError)
+
 
 class PseudoGradientExchange:
     """Average `grads` in place over the replicas in the quorum: an exact fp32 all-reduce, or the
     codec's payloads all-gathered and decoded by every replica in the same order (bit-equal
-    results). A failure (a lost peer) goes to `on_error` and leaves `grads` as they were; success
+    results). A failed collective (a lost peer) goes to `on_error` and leaves `grads` as they
+    were; an error of the codec raises; success
     reports (bytes sent, bytes of an uncompressed fp32 ring all-reduce) to `on_done`.
 
     Args:
@@ -40,19 +46,23 @@ class PseudoGradientExchange:
         self.flat = torch.cat([g.reshape(-1) for g in grads])
         self._work = None
         self._done = False
+        # The codec runs outside the `try`s: its errors are bugs and raise; only a failure of the
+        # communication itself is a lost peer, whose sync torchft discards.
+        if codec is None:
+            if not participating:
+                self.flat.zero_()
+        else:
+            self._payload = codec.encode(self.flat) if participating else codec.encode_nothing()
         try:
             self.world = pg.size()
             if codec is None:
-                if not participating:
-                    self.flat.zero_()
                 opts = AllreduceOptions()
                 opts.reduceOp = ReduceOp.SUM
                 self._work = pg.allreduce([self.flat], opts)
             else:
-                self._payload = codec.encode(self.flat) if participating else codec.encode_nothing()
                 self._gathered = [torch.empty_like(self._payload) for _ in range(self.world)]
                 self._work = pg.allgather([self._gathered], [self._payload], AllgatherOptions())
-        except Exception as err:  # a lost peer: torchft discards this sync
+        except COMMUNICATION_ERRORS as err:
             on_error(err)
 
     def wait(self) -> None:
@@ -63,15 +73,15 @@ class PseudoGradientExchange:
         self._done = True
         try:
             self._work.wait()
-            if self.codec is None:
-                flat = self.flat
-                sent = ring_allreduce_bytes(flat.numel() * flat.element_size(), self.world)
-            else:
-                flat = torch.stack([self.codec.decode(p) for p in self._gathered]).sum(0).to(self.flat.dtype)
-                sent = self._payload.numel() * (self.world - 1)
-        except Exception as err:
+        except COMMUNICATION_ERRORS as err:
             self.on_error(err)
             return
+        if self.codec is None:
+            flat = self.flat
+            sent = ring_allreduce_bytes(flat.numel() * flat.element_size(), self.world)
+        else:
+            flat = torch.stack([self.codec.decode(p) for p in self._gathered]).sum(0).to(self.flat.dtype)
+            sent = self._payload.numel() * (self.world - 1)
         flat /= self.participants
         self.on_done(sent, ring_allreduce_bytes(flat.numel() * 4, self.world))
         for g, part in zip(self.grads, flat.split([g.numel() for g in self.grads]), strict=True):

@@ -56,6 +56,7 @@ def check_arguments(plan: Plan, *, timeout: float, autocast_dtype: torch.dtype |
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a hf_actcomp.Plan, got {type(plan).__name__}.")
     compiling = compile_options(compile, compile_kwargs)
+    check_compiled_schedule(plan, compiling is not None)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "hf_actcomp.prepare() needs torch.distributed to be initialised: run under `accelerate launch` "
@@ -70,6 +71,16 @@ def check_arguments(plan: Plan, *, timeout: float, autocast_dtype: torch.dtype |
     if autocast_dtype not in (None, torch.bfloat16):
         raise ValueError(f"autocast_dtype={autocast_dtype!r} is not supported; use torch.bfloat16 or None.")
     return compiling
+
+
+def check_compiled_schedule(plan: Plan, compiled: bool) -> None:
+    """zbh1 defers each linear layer's weight gradient to its `W` by routing the layer through a
+    store, which a compiled block's graph bypasses: compiled, its `W` would have almost nothing to
+    do and the schedule would silently run as 1F1B plus bookkeeping."""
+    if compiled and plan.schedule == "zbh1":
+        raise ValueError("compile=True (TrainingArguments(torch_compile=True)) with Plan(schedule='zbh1'): a compiled "
+                         "block runs its linear layers inside its graph, so zbh1's weight-gradient pass has nothing "
+                         "to defer. Use schedule='1f1b' with compile, or zbh1 without compile.")
 
 
 def split_model(model: nn.Module, plan: Plan) -> tuple[ModelAdapter, list[range], list[tuple[str, str]]]:

@@ -4,7 +4,8 @@ SPEC: {"family", "dtype", "plan" (Plan dict), "args" (TrainingArguments override
 "resume" (checkpoint dir or null), "save" (dir or null), "evaluate" (bool), "samples" (prompts for a
 LogSamplesCallback, with a small tokenizer and the model's vocabulary sized to it), "model_path" (a saved
 checkpoint given to ActCompTrainer by path instead of the in-memory debug model), "predict" (compute_metrics
-and preprocess_logits_for_metrics from trainer_cases; after training, predict() and evaluate())}. Each rank writes its logged losses
+and preprocess_logits_for_metrics from trainer_cases; after training, predict() and evaluate()), "subclass"
+(trainer_cases.extending_trainer instead of ActCompTrainer), "model_mean" (a model that takes no loss kwargs)}. Each rank writes its logged losses
 (`losses-rank{r}.json`) and its stage's parameters (`weights-rank{r}.safetensors`).
 """
 
@@ -22,6 +23,7 @@ from hf_actcomp.debug import debug_model
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainer_cases import (  # noqa: E402
     argmax_logits,
+    extending_trainer,
     lora_model,
     pad_collator,
     ragged_dataset,
@@ -36,15 +38,18 @@ def main(spec: dict, out_dir: str) -> None:
     overrides = {"vocab_size": len(tokenizer)} if tokenizer is not None else {}
     model = spec.get("model_path") or \
         debug_model(spec.get("family", "gpt2"), seed=0, **overrides).to(getattr(torch, spec.get("dtype", "float32")))
+    if spec.get("model_mean"):  # Trainer then passes no num_items_in_batch: the model takes each batch's mean
+        model.accepts_loss_kwargs = False
     if spec.get("lora"):
         model = lora_model(model)
     plan = hf_actcomp.Plan.from_dict(spec["plan"])
     args = training_args(os.path.join(out_dir, "run"), **spec.get("args", {}))
     metrics_kwargs = {"compute_metrics": token_metrics, "preprocess_logits_for_metrics": argmax_logits} \
         if spec.get("predict") else {}
-    trainer = hf_actcomp.ActCompTrainer(model=model, args=args, plan=plan, train_dataset=ragged_dataset(),
-                                        eval_dataset=ragged_dataset(8, seed=1), data_collator=pad_collator,
-                                        processing_class=tokenizer, **metrics_kwargs)
+    trainer_class = extending_trainer() if spec.get("subclass") else hf_actcomp.ActCompTrainer
+    trainer = trainer_class(model=model, args=args, plan=plan, train_dataset=ragged_dataset(),
+                          eval_dataset=ragged_dataset(8, seed=1), data_collator=pad_collator,
+                          processing_class=tokenizer, **metrics_kwargs)
     if spec.get("samples"):
         sampler = hf_actcomp.LogSamplesCallback(trainer, spec["samples"], max_new_tokens=6)
         trainer.add_callback(sampler)
@@ -64,7 +69,8 @@ def main(spec: dict, out_dir: str) -> None:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     with open(os.path.join(out_dir, f"losses-rank{rank}.json"), "w") as f:
         json.dump({"losses": [h["loss"] for h in logs], "logs": logs, "metrics": metrics,
-                   "total_flos": trainer.state.total_flos,
+                   "total_flos": trainer.state.total_flos, "tokens_seen": trainer.state.num_input_tokens_seen,
+                   "seen_logs": getattr(trainer, "seen_logs", None),
                    "meta_parameters": sum(p.device.type == "meta" for p in trainer.model.parameters()),
                    "memory": _memory_report(trainer.pipe),
                    "samples": sampler.samples if spec.get("samples") else None, "predict": predicted}, f)
