@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from accelerate.utils.memory import clear_device_cache
 from transformers import AutoModelForCausalLM
 
 from . import hub
@@ -239,6 +240,10 @@ class Pipelined(Backend):
         counts = [trainer_item_count(self.trainer, batch) for batch in batch_samples]
         if not counts or counts[0] is None:  # the model takes each batch's own mean (see training_step)
             return None
+        if not self.trainer.args.average_tokens_across_devices:
+            # Each replica normalises by its own tokens (the pipeline shares the count out over the
+            # replicas), and their gradients are averaged: DDP's mean of per-device means.
+            return sum(counts) * self.num_replicas
         return self._over_replicas(sum(counts))
 
     def _over_replicas(self, count: int) -> int:
@@ -260,6 +265,9 @@ class Pipelined(Backend):
         if hasattr(optimizer, "train") and callable(optimizer.train):
             optimizer.train()
         self.pipe.train()  # Trainer's evaluation loop leaves the runner in eval mode
+        every = trainer.args.torch_empty_cache_steps
+        if every is not None and trainer.state.global_step % every == 0:
+            clear_device_cache()  # as Trainer's training_step does
         steps = trainer.current_gradient_accumulation_steps
         scaled = num_items_in_batch is not None
         if not scaled and steps > 1 and inputs.get("labels") is not None:

@@ -5,6 +5,7 @@ Each check names the bad setting and what to do instead (docs/trainer.md, "What 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import datasets
@@ -21,6 +22,23 @@ _REFUSED = {
     "fsdp": "FSDP shards every parameter over all ranks, which here hold different stages",
     "fp16": "fp16 needs a loss scaler shared by all stages; use bf16=True",
     "use_liger_kernel": "Liger kernels replace the whole model's forward, which the split model never calls",
+    "fp16_full_eval": "the model in fp16 needs a loss scaler shared by all stages, as fp16 does; use bf16_full_eval",
+    "parallelism_config": "Accelerate's tensor/context/sequence parallelism spans all ranks, which here hold different "
+                          "stages",
+}
+# Refused with several processes when set to anything but Trainer's default (in one process Trainer
+# handles them as usual).
+_REFUSED_PIPELINED = {
+    "auto_find_batch_size": "an out-of-memory retry would shrink one stage's batch alone, while the stages of a "
+                            "pipeline must read the same batches; set per_device_train_batch_size",
+    "bf16_full_eval": "each boundary's dtype is fixed when the pipeline is built; use bf16=True (the stages run "
+                      "under bfloat16 autocast) or cast the model before building the trainer",
+    "ddp_find_unused_parameters": "Trainer never wraps a stage in DDP: replicas average gradients as "
+                                  "Plan(dp_compression=...) says",
+    "ddp_bucket_cap_mb": "Trainer never wraps a stage in DDP: replicas average gradients as Plan(dp_compression=...) says",
+    "ddp_broadcast_buffers": "Trainer never wraps a stage in DDP: replicas average gradients as "
+                             "Plan(dp_compression=...) says",
+    "ddp_static_graph": "Trainer never wraps a stage in DDP: replicas average gradients as Plan(dp_compression=...) says",
 }
 
 
@@ -48,6 +66,11 @@ def _check_arguments(args: TrainingArguments, plan: Plan, kwargs: dict[str, Any]
         raise ValueError("ActCompTrainer does not support train_sampling_strategy='batch_rebalance': it deals batches "
                          "per rank, while the stages of a pipeline must read the same batches. Use 'random' or "
                          "'group_by_length'.")
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+    for name, reason in _REFUSED_PIPELINED.items():
+        if world > 1 and getattr(args, name, defaults[name]) != defaults[name]:
+            raise ValueError(f"ActCompTrainer with several processes does not support TrainingArguments({name}=...): "
+                             f"{reason}.")
     if world > 1 and getattr(getattr(args, "accelerator_config", None), "dispatch_batches", None):
         raise ValueError("ActCompTrainer with several processes does not support accelerator_config.dispatch_batches="
                          "True: it deals one batch's slices out over all ranks, while the stages of a pipeline must "

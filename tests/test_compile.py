@@ -82,8 +82,11 @@ def test_simulate_compiled_matches_eager(family, overrides):
     blocks = model.get_submodule("transformer.h" if family == "gpt2" else "model.layers")
     assert all(block._compiled_call_impl is not None for block in blocks)
     assert set(dict(model.named_parameters())) == set(dict(debug_model(family, seed=0).named_parameters()))
-    if not overrides:  # the router's hook breaks Mixtral's block into pieces (each shared too)
+    if not overrides:
         assert 1 <= counter.frame_count <= 3, counter.frame_count
+    else:  # the router's recording hook breaks Mixtral's block into pieces, each shared too: 10 frames
+        # measured for 4 blocks x 3 steps (padded, then unpadded batches); one set per block would be more
+        assert 4 <= counter.frame_count <= 12 and counter.op_count > 0, (counter.frame_count, counter.op_count)
 
 
 def test_simulate_inductor_matches_eager():

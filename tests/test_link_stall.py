@@ -72,7 +72,8 @@ def test_a_stalled_link_between_diloco_replicas_delays_the_sync_and_loses_nothin
         steps = stalled["steps"]
         in_flight = [k for k, (start, end) in enumerate(steps) if start <= stall.end <= end]
         assert in_flight and 3 <= in_flight[0] <= 5, (steps, stall)
-        assert steps[5][1] - steps[3][0] >= STALL_S - 0.5, (steps, stall)
+        # steps 4-6 together cover the whole stall, so they took at least its length
+        assert steps[3][0] <= stall.start and steps[5][1] >= stall.end, (steps, stall)
         assert max(end - start for start, end in plain["steps"]) < STALL_S
         assert stalled["syncs"] == plain["syncs"] == 4 and stalled["failed_syncs"] == 0
         assert stalled["error"] is None and stalled["losses"] == plain["losses"]

@@ -241,6 +241,8 @@ def test_pad_to_length_changes_no_loss_or_gradient():
         ("fp16", True, "fp16 needs a loss scaler"),
         ("label_smoothing_factor", 0.1, "label_smoothing_factor"),
         ("use_liger_kernel", True, "use_liger_kernel=.*replace the whole model's forward"),
+        ("fp16_full_eval", True, "fp16_full_eval=.*loss scaler"),
+        ("parallelism_config", object(), "parallelism_config=.*spans all ranks"),
         ("train_sampling_strategy", "batch_rebalance", "batch_rebalance.*must read the same batches"),
         ("world_size", 3, "needs 2 processes \\(or 1, to run the stages in-process\\), but this job has 3"),
     ],
@@ -271,6 +273,13 @@ def test_refused_with_several_processes():
         _check_arguments(args(accelerator_config=SimpleNamespace(dispatch_batches=True)), Plan(num_stages=2), {})
     with pytest.raises(ValueError, match=r"torch_compile=True\)\) with Plan\(schedule='zbh1'\)"):
         _check_arguments(args(torch_compile=True), Plan(num_stages=2, schedule="zbh1"), {})
+    for name, value, message in (("auto_find_batch_size", True, "shrink one stage's batch alone"),
+                                 ("bf16_full_eval", True, "boundary's dtype is fixed"),
+                                 ("ddp_bucket_cap_mb", 25, "never wraps a stage in DDP"),
+                                 ("ddp_find_unused_parameters", False, "never wraps a stage in DDP")):
+        with pytest.raises(ValueError, match=f"several processes does not support TrainingArguments\\({name}=.*{message}"):
+            _check_arguments(args(**{name: value}), Plan(num_stages=2), {})
+        _check_arguments(args(**{name: value}, world_size=1), Plan(num_stages=2), {})  # Trainer's in one process
     _check_arguments(args(torch_compile=True), Plan(num_stages=2), {})  # 1f1b compiles
     _check_arguments(args(torch_compile=True, world_size=1), Plan(num_stages=2, schedule="zbh1"), {})  # in-process
 
@@ -292,6 +301,37 @@ def test_evaluation_without_the_second_pass(tmp_path):
     assert both["eval_plain_loss"] != both["eval_loss"]  # the codec costs something: two passes
     for key in ("eval_loss", "eval_token_loss", "eval_perplexity"):
         assert metrics[key] == pytest.approx(both[key], rel=1e-6), key
+
+
+def test_every_trainer_and_sft_field_is_in_the_docs_table():
+    """docs/trainer.md says, for each TrainingArguments and SFTConfig field, whether it is
+    honoured or refused: a field a new transformers or TRL release adds fails here until it is."""
+    import dataclasses
+    import re
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "trainer.md"), encoding="utf-8").read()
+    table = text[text.index("## Every argument: honoured or refused"):text.index("## Limits")]
+    named = set(re.findall(r"`(\w+)`", table))
+    fields = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    trl = pytest.importorskip("trl")
+    fields |= {f.name for f in dataclasses.fields(trl.SFTConfig) if f.init}
+    assert sorted(fields - named) == []
+
+
+def test_neftune_noise_reaches_the_first_stage(tmp_path):
+    """neftune_noise_alpha: Trainer's hook on the input embeddings fires inside the stages (the
+    losses move), and Trainer removes it after training (evaluation is noiseless again)."""
+    def run(**overrides):
+        trainer = ActCompTrainer(model=debug_model("gpt2", seed=0), plan=Plan(num_stages=2),
+                                 args=training_args(str(tmp_path / str(len(overrides))), max_steps=1, **overrides),
+                                 train_dataset=ragged_dataset(), data_collator=pad_collator)
+        trainer.train()
+        return _logged(trainer, "loss")[0], trainer
+
+    plain, _ = run()
+    noisy, trainer = run(neftune_noise_alpha=50.0)
+    assert noisy != pytest.approx(plain, rel=1e-4)
+    assert not trainer.model.get_input_embeddings()._forward_hooks
 
 
 def test_plan_must_be_a_plan(tmp_path):
@@ -352,6 +392,8 @@ def four_processes(tmp_path_factory):
         "zbh1": {"plan": {"num_stages": 2, "data_parallel": 2, "schedule": "zbh1"}},
         "aqsgd": {"plan": Plan(num_stages=2, data_parallel=2, forward=Compression("aqsgd", bits=4)).to_dict(),
                   "args": {"max_steps": 4}},
+        # each replica normalises by its own tokens, as DDP does with this setting
+        "own_tokens": {"plan": {"num_stages": 2, "data_parallel": 2}, "args": {"average_tokens_across_devices": False}},
     }
     run_workers("trainer_worker.py", 4, [json.dumps({"runs": runs}), str(root)], timeout=600)
     return root
@@ -494,6 +536,24 @@ def test_overrides_the_stages_would_bypass_are_refused_with_several_processes(tm
                             plan=Plan(num_stages=2), train_dataset=ragged_dataset(), data_collator=pad_collator)
     trainer.train()
     assert _logged(trainer, "loss")[0] == pytest.approx(2 * _logged(reference, "loss")[0], rel=1e-6)
+
+
+def test_distributed_tokens_per_replica_match_trainer_under_ddp(tmp_path, four_processes):
+    """average_tokens_across_devices=False on 2 stages x 2 replicas: each replica divides by its
+    own label tokens and the gradients are averaged, as plain Trainer under DDP on 2 processes
+    (same data shards): the same losses, norms and final weights, which differ from the default's."""
+    reference, ddp = _run(tmp_path, "ddp", 2, {"plain": True, "args": {"average_tokens_across_devices": False}})
+    expected = load_file(os.path.join(reference, "weights-rank0.safetensors"))
+    out, results = _results(four_processes, "own_tokens", 4)
+    _, default = _results(four_processes, "plain", 4)
+    assert results[0]["losses"] != pytest.approx(default[0]["losses"], rel=1e-6)  # the setting matters here
+    for rank, result in enumerate(results):
+        assert result["losses"] == pytest.approx(ddp[0]["losses"], rel=1e-6)
+        assert [h["grad_norm"] for h in result["logs"]] == pytest.approx([h["grad_norm"] for h in ddp[0]["logs"]],
+                                                                          rel=1e-5)
+        for name, value in _stage_weights(out, 4, 2)[rank].items():
+            tied = "transformer.wte.weight" if name == "lm_head.weight" else name  # saved once by the whole model
+            torch.testing.assert_close(value, expected[tied], rtol=0, atol=1e-4, msg=name)
 
 
 def test_distributed_plan_auto_is_measured_and_saved(two_processes):

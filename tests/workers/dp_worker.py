@@ -225,6 +225,52 @@ def accelerate_ddp(out_dir):
         json.dump({"type": type(model).__name__, "losses": losses, "stats": state.stats()}, f)
 
 
+def powersgd_like_torch(out_dir, steps):
+    """The pipeline's PowerSGD (`PowerSGDCompressor.reduce`: a step's gradients as one flat
+    buffer) against torch's PowerSGD hook under DDP (one bucket), on the same gradients: every
+    step's averaged gradients from both, and the exact mean, per parameter and step."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    from hf_actcomp.dp.powersgd import PowerSGDCompressor
+
+    rank = dist.get_rank()
+    settings = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}
+    ddp = DDP(small_model(), bucket_cap_mb=100)  # one bucket
+    orders = []
+
+    def recording(state, bucket):
+        orders.append([id(p) for p in bucket.parameters()])
+        return powersgd.powerSGD_hook(state, bucket)
+
+    ddp.register_comm_hook(powersgd.PowerSGDState(process_group=None, min_compression_rate=2.0, warm_start=True,
+                                                  random_seed=0, **settings), recording)
+    ours = PowerSGDCompressor(**settings)  # the pipeline's defaults: seed 0, warm start, min rate 2
+    local = small_model()  # the same weights: each rank's own gradients, before any averaging
+    names = {id(p): n for n, p in ddp.module.named_parameters()}
+    local_params = dict(local.named_parameters())
+    out = {}
+    for step in range(steps):
+        x, y = shard(rank, step)
+        ddp.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        local.zero_grad()
+        torch.nn.functional.mse_loss(local(x), y).backward()
+        order = [names[i] for i in orders[-1]]  # the bucket's order this step
+        flat = torch.cat([local_params[n].grad.reshape(-1) for n in order])
+        exact = flat.clone()
+        dist.all_reduce(exact)
+        exact /= dist.get_world_size()
+        reduced = ours.reduce(flat, [local_params[n] for n in order])
+        offset = 0
+        for n in order:
+            size = local_params[n].numel()
+            out[f"{step}.torch.{n}"] = dict(ddp.module.named_parameters())[n].grad.clone()
+            out[f"{step}.ours.{n}"] = reduced[offset:offset + size].view_as(local_params[n]).clone()
+            out[f"{step}.exact.{n}"] = exact[offset:offset + size].view_as(local_params[n]).clone()
+            offset += size
+    save_file(out, os.path.join(out_dir, f"rank{rank}.safetensors"))
+
+
 def main():
     scenario, out_dir, *rest = sys.argv[1:]
     if scenario != "accelerate":
@@ -236,7 +282,8 @@ def main():
      "unbiased": lambda: unbiased(out_dir, int(rest[0])),
      "train": lambda: train(out_dir, int(rest[0]), rest[1]),
      "resume": lambda: resume(out_dir, rest),
-     "errors": lambda: errors(out_dir)}[scenario]()
+     "errors": lambda: errors(out_dir),
+     "powersgd_like_torch": lambda: powersgd_like_torch(out_dir, int(rest[0]))}[scenario]()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -5,7 +5,8 @@ SPEC: {"family", "dtype", "plan" (Plan dict), "args" (TrainingArguments override
 LogSamplesCallback, with a small tokenizer and the model's vocabulary sized to it), "model_path" (a saved
 checkpoint given to ActCompTrainer by path instead of the in-memory debug model), "predict" (compute_metrics
 and preprocess_logits_for_metrics from trainer_cases; after training, predict() and evaluate()), "subclass"
-(trainer_cases.extending_trainer instead of ActCompTrainer), "model_mean" (a model that takes no loss kwargs)}. Each rank writes its logged losses
+(trainer_cases.extending_trainer instead of ActCompTrainer), "model_mean" (a model that takes no loss kwargs), "plain" (transformers.Trainer on the whole model instead, DDP over
+the processes)}. Each rank writes its logged losses
 (`losses-rank{r}.json`) and its stage's parameters (`weights-rank{r}.safetensors`).
 """
 
@@ -16,6 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+from transformers import Trainer
 
 import hf_actcomp
 from hf_actcomp.debug import debug_model
@@ -42,14 +44,17 @@ def main(spec: dict, out_dir: str) -> None:
         model.accepts_loss_kwargs = False
     if spec.get("lora"):
         model = lora_model(model)
-    plan = hf_actcomp.Plan.from_dict(spec["plan"])
+    plan = hf_actcomp.Plan.from_dict(spec.get("plan", {"num_stages": 2}))
     args = training_args(os.path.join(out_dir, "run"), **spec.get("args", {}))
     metrics_kwargs = {"compute_metrics": token_metrics, "preprocess_logits_for_metrics": argmax_logits} \
         if spec.get("predict") else {}
-    trainer_class = extending_trainer() if spec.get("subclass") else hf_actcomp.ActCompTrainer
-    trainer = trainer_class(model=model, args=args, plan=plan, train_dataset=ragged_dataset(),
-                          eval_dataset=ragged_dataset(8, seed=1), data_collator=pad_collator,
-                          processing_class=tokenizer, **metrics_kwargs)
+    if spec.get("plain"):  # transformers.Trainer on the whole model, DDP over the processes: a reference
+        trainer = Trainer(model=model, args=args, train_dataset=ragged_dataset(), data_collator=pad_collator)
+    else:
+        trainer_class = extending_trainer() if spec.get("subclass") else hf_actcomp.ActCompTrainer
+        trainer = trainer_class(model=model, args=args, plan=plan, train_dataset=ragged_dataset(),
+                                eval_dataset=ragged_dataset(8, seed=1), data_collator=pad_collator,
+                                processing_class=tokenizer, **metrics_kwargs)
     if spec.get("samples"):
         sampler = hf_actcomp.LogSamplesCallback(trainer, spec["samples"], max_new_tokens=6)
         trainer.add_callback(sampler)
@@ -72,9 +77,10 @@ def main(spec: dict, out_dir: str) -> None:
                    "total_flos": trainer.state.total_flos, "tokens_seen": trainer.state.num_input_tokens_seen,
                    "seen_logs": getattr(trainer, "seen_logs", None),
                    "meta_parameters": sum(p.device.type == "meta" for p in trainer.model.parameters()),
-                   "memory": _memory_report(trainer.pipe),
+                   "memory": None if spec.get("plain") else _memory_report(trainer.pipe),
                    "samples": sampler.samples if spec.get("samples") else None, "predict": predicted}, f)
-    weights = {n: p.detach().contiguous() for n, p in trainer.pipe.stage.named_parameters()}
+    stage = trainer.model if spec.get("plain") else trainer.pipe.stage
+    weights = {n: p.detach().contiguous() for n, p in stage.named_parameters()}
     save_file(weights, os.path.join(out_dir, f"weights-rank{rank}.safetensors"))
 
 
