@@ -12,10 +12,10 @@ whose loss is at most the target plus `--tolerance` (relative). Needs root (name
 `--loopback` runs on 127.0.0.1 instead (no root, no shaping: a smoke test).
 
     sudo .venv/bin/python benchmarks/time_to_quality.py              # 100 Mbit/s, 3 rounds, ~35 minutes
-    sudo OMP_NUM_THREADS=1 .venv/bin/python benchmarks/time_to_quality.py --rate 10 --stop_at_target 4.4803 \
-        --name time_to_quality_10mbit --methods "torch.distributed.pipelining" "ours, uncompressed" \
-        "ours, AQ-SGD fw2/bw4, warm-up h4, tie q8" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" \
-        "ours, Hadamard fw4/bw8, tie q8"                             # the link-bound run, ~30 minutes
+    sudo OMP_NUM_THREADS=1 .venv/bin/python benchmarks/time_to_quality.py --rate 10 \
+        --name time_to_quality_10mbit_rerun --methods "torch.distributed.pipelining" "ours, uncompressed" \
+        "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, Hadamard fw4/bw8, tie q8"
+                                                   # README's headline, target measured in the run, ~35 minutes
     .venv/bin/python benchmarks/time_to_quality.py --quick --loopback  # a smoke run
     .venv/bin/python benchmarks/time_to_quality.py --replot          # table and plot from the saved JSON
 
@@ -406,7 +406,7 @@ def write(rows: list[dict], meta: dict) -> None:
         f"{args.max_epochs}"
         + ("" if getattr(args, "stop_at_target", None) is None else
            f", stopping at their first evaluation within {100 * args.tolerance:.2f}% of {args.stop_at_target} (the "
-           "target of an earlier run; the runs are deterministic, and this run's own target is the one above)")
+           "target of an earlier run, carried over: exploratory; this run's own target, where it ran, is above)")
         + f". Each method ran in {args.repeats} rounds in "
         "alternating order: median [fastest-slowest]; speed-up: ratio of the medians [range over the rounds].",
         "",
@@ -489,9 +489,11 @@ def main(argv=None) -> None:
                    help="relative: a run reaches the target at a loss at most this much above it")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--stop_at_target", type=float, default=None,
-                   help="a target known from an earlier run (the runs are deterministic: 4.4803 with OMP_NUM_THREADS=1): compressed "
-                        "methods stop at their first evaluation within --tolerance of it instead of training "
-                        "--max_epochs (saves time; their final loss is then the loss at the target)")
+                   help="a target from an earlier run, for exploratory runs only: compressed methods stop at their "
+                        "first evaluation within --tolerance of it instead of training --max_epochs. The runs are "
+                        "not bitwise reproducible across code changes and machines (the same configuration's steps "
+                        "to target moved from 136 to 152), so results quoted in docs measure the target in the same "
+                        "run: leave this unset and include 'ours, uncompressed'")
     p.add_argument("--pretrain_epochs", type=int, default=4)
     p.add_argument("--pretrain_lr", type=float, default=2e-3)
     p.add_argument("--train_samples", type=int, default=512)

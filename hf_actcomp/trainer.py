@@ -15,6 +15,7 @@ What differs from Trainer, and why, is in `docs/trainer.md`.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -279,9 +280,9 @@ class ActCompTrainer(Trainer):
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):
         """Trainer's own loop (so `compute_metrics`, `preprocess_logits_for_metrics`, `predict()`
         and the rest keep their contract), fed by the stages; the metrics also get
-        `{prefix}_plain_loss` (without the boundary codecs, unless `eval_plain_loss=False`), `{prefix}_token_loss` /
-        `_plain_token_loss` (mean per predicted token) and `{prefix}_perplexity` /
-        `_plain_perplexity`. See `hf_actcomp.trainer_evaluation`."""
+        `{prefix}_plain_loss` (without the boundary codecs, unless `eval_plain_loss=False`),
+        `{prefix}_token_loss` / `_plain_token_loss` (mean per predicted token) and
+        `{prefix}_perplexity` / `_plain_perplexity`. See `hf_actcomp.trainer_evaluation`."""
         self.eval_extras = EvalExtras()
         with self._backend.evaluation():
             output = super().evaluation_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
@@ -352,7 +353,7 @@ class ActCompTrainer(Trainer):
             return
         results = self._run_results()
         hub.update_results(self.args.output_dir, card=results["card"],
-                              **{k: results[k] for k in ("base_model", "datasets") if k in results})
+                           **{k: results[k] for k in ("base_model", "datasets") if k in results})
         hub.write_model_card(self.args.output_dir, repo_id=getattr(self, "hub_model_id", None))
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
@@ -373,6 +374,16 @@ class ActCompTrainer(Trainer):
             super()._save_checkpoint(model, trial)
             if not self.args.save_only_model:
                 self._backend.save_compression_state(os.path.join(output_dir, COMPRESSION_STATE_DIR))
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Trainer's push at a checkpoint uploads `output_dir` after copying the checkpoint's model
+        files into it, by its own list of names: the plan, results, curves and card go beside them,
+        so that every revision on the Hub loads and describes itself."""
+        if self.is_world_process_zero() and self.args.hub_strategy != "end":
+            for name in (CONFIG_NAME, hub.RESULTS_NAME, hub.CURVES_NAME, hub.CARD_NAME):
+                if os.path.isfile(os.path.join(checkpoint_folder, name)):
+                    shutil.copy(os.path.join(checkpoint_folder, name), os.path.join(self.args.output_dir, name))
+        super()._push_from_checkpoint(checkpoint_folder)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self._backend.save_optimizer_and_scheduler(output_dir)

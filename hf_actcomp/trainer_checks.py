@@ -1,6 +1,7 @@
 """What `ActCompTrainer` refuses before any work, and the AQ-SGD data helpers it uses.
 
-Each check names the bad setting and what to do instead (docs/trainer.md, "What is refused").
+Each check names the bad setting and what to do instead (docs/trainer.md, "Every argument: honoured or
+refused", and "Subclassing").
 """
 
 from __future__ import annotations
@@ -33,12 +34,8 @@ _REFUSED_PIPELINED = {
                             "pipeline must read the same batches; set per_device_train_batch_size",
     "bf16_full_eval": "each boundary's dtype is fixed when the pipeline is built; use bf16=True (the stages run "
                       "under bfloat16 autocast) or cast the model before building the trainer",
-    "ddp_find_unused_parameters": "Trainer never wraps a stage in DDP: replicas average gradients as "
-                                  "Plan(dp_compression=...) says",
-    "ddp_bucket_cap_mb": "Trainer never wraps a stage in DDP: replicas average gradients as Plan(dp_compression=...) says",
-    "ddp_broadcast_buffers": "Trainer never wraps a stage in DDP: replicas average gradients as "
-                             "Plan(dp_compression=...) says",
-    "ddp_static_graph": "Trainer never wraps a stage in DDP: replicas average gradients as Plan(dp_compression=...) says",
+    **dict.fromkeys(("ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph"),
+                    "Trainer never wraps a stage in DDP: replicas average gradients as Plan(dp_compression=...) says"),
 }
 
 

@@ -318,6 +318,23 @@ def test_every_trainer_and_sft_field_is_in_the_docs_table():
     assert sorted(fields - named) == []
 
 
+def test_dataloaders_take_every_dataloader_setting(tmp_path):
+    """The dataloader_* settings reach both loaders as Trainer passes them, and with persistent
+    workers the evaluation loader is kept for the next evaluation (no worker is started here)."""
+    trainer = ActCompTrainer(model=debug_model("gpt2", seed=0), plan=Plan(num_stages=2),
+                             args=training_args(str(tmp_path), dataloader_num_workers=1,
+                                                dataloader_persistent_workers=True, dataloader_prefetch_factor=3,
+                                                dataloader_multiprocessing_context="spawn", dataloader_in_order=False),
+                             train_dataset=ragged_dataset(), eval_dataset=ragged_dataset(8, seed=1),
+                             data_collator=pad_collator)
+    evaluation = trainer.get_eval_dataloader()
+    assert trainer.get_eval_dataloader() is evaluation
+    for loader in (evaluation, trainer.get_train_dataloader()):
+        assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor, loader.in_order) == (1, True, 3,
+                                                                                                          False)
+        assert type(loader.multiprocessing_context).__name__ == "SpawnContext"
+
+
 def test_neftune_noise_reaches_the_first_stage(tmp_path):
     """neftune_noise_alpha: Trainer's hook on the input embeddings fires inside the stages (the
     losses move), and Trainer removes it after training (evaluation is noiseless again)."""
@@ -375,6 +392,10 @@ def two_processes(tmp_path_factory):
                      "args": {"include_num_input_tokens_seen": "non_padding"}},
         # a model that takes no loss kwargs: Trainer passes no num_items_in_batch
         "model_mean": {"plan": {"num_stages": 2}, "model_mean": True},
+        # push_to_hub under torchrun: every stage saved, one upload with our card
+        "push": {"plan": {"num_stages": 2}, "push": True,
+                 "args": {"push_to_hub": True, "hub_model_id": "user/piped", "save_strategy": "steps",
+                          "save_steps": 2}},
         # Trainer's evaluation contract: compute_metrics on what include_for_metrics adds, predict()
         "predict": {"plan": {"num_stages": 2}, "predict": True,
                     "args": {"include_for_metrics": ["inputs", "loss"], "eval_accumulation_steps": 1,
@@ -554,6 +575,26 @@ def test_distributed_tokens_per_replica_match_trainer_under_ddp(tmp_path, four_p
         for name, value in _stage_weights(out, 4, 2)[rank].items():
             tied = "transformer.wte.weight" if name == "lm_head.weight" else name  # saved once by the whole model
             torch.testing.assert_close(value, expected[tied], rtol=0, atol=1e-4, msg=name)
+
+
+def test_distributed_push_to_hub_uploads_once_with_every_stage(two_processes):
+    """push_to_hub=True on 2 processes (checkpoints every 2 steps, each pushed, then
+    Trainer.push_to_hub with card arguments): rank 0 creates the repo and uploads; every upload
+    holds the plan and our card, the final one both stages' shards and the card's arguments; rank
+    1 never talks to the Hub."""
+    uploads = [json.loads((two_processes / "push" / f"uploads-rank{r}.json").read_text()) for r in range(2)]
+    assert uploads[1] == []
+    assert uploads[0][0] == {"call": "create_repo", "repo_id": "user/piped"}
+    # Trainer's pushes at the checkpoints (steps 2 and 4) carry the plan and our card too
+    checkpoints = uploads[0][1:-1]
+    assert len(checkpoints) == 2 and all({"actcomp_config.json", "README.md"} <= set(u["files"]) and
+                                         "hf-actcomp" in u["card"] for u in checkpoints)
+    final = uploads[0][-1]
+    assert final["call"] == "upload_folder" and final["repo_id"] == "user/piped"
+    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+            "actcomp_config.json", "actcomp_results.json", "README.md"} <= set(final["files"])
+    assert "hf-actcomp" in final["card"] and "language: en" in final["card"] and "- pushed" in final["card"]
+    assert 'from_pretrained("user/piped")' in final["card"]
 
 
 def test_distributed_plan_auto_is_measured_and_saved(two_processes):

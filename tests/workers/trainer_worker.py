@@ -6,10 +6,11 @@ LogSamplesCallback, with a small tokenizer and the model's vocabulary sized to i
 checkpoint given to ActCompTrainer by path instead of the in-memory debug model), "predict" (compute_metrics
 and preprocess_logits_for_metrics from trainer_cases; after training, predict() and evaluate()), "subclass"
 (trainer_cases.extending_trainer instead of ActCompTrainer), "model_mean" (a model that takes no loss kwargs), "plain" (transformers.Trainer on the whole model instead, DDP over
-the processes)}. Each rank writes its logged losses
+the processes), "push" (Trainer.push_to_hub at the end, with the Hub's two calls recorded per rank)}. Each rank writes its logged losses
 (`losses-rank{r}.json`) and its stage's parameters (`weights-rank{r}.safetensors`).
 """
 
+import concurrent.futures
 import json
 import os
 import sys
@@ -35,7 +36,45 @@ from trainer_cases import (  # noqa: E402
 )
 
 
+def record_uploads(out_dir: str) -> list:
+    """Stand in for the Hub (as tests/test_hub.py's RecordingApi): each rank's create_repo and
+    upload_folder calls, and the card and files of each upload, land in `uploads-rank{r}.json`."""
+    from huggingface_hub import HfApi
+    from huggingface_hub import constants as hub_constants
+
+    hub_constants.HF_HUB_OFFLINE = False  # nothing leaves the machine: both calls are replaced
+    calls = []
+    path = os.path.join(out_dir, f"uploads-rank{os.environ['RANK']}.json")
+
+    def write():
+        with open(path, "w") as f:
+            json.dump(calls, f)
+
+    def create_repo(api, repo_id, **kwargs):
+        calls.append({"call": "create_repo", "repo_id": repo_id})
+        write()
+        return type("RepoUrl", (), {"repo_id": repo_id})()
+
+    def upload_folder(api, **kwargs):
+        folder = kwargs["folder_path"]
+        card = os.path.join(folder, "README.md")
+        calls.append({"call": "upload_folder", "repo_id": kwargs["repo_id"], "files": sorted(os.listdir(folder)),
+                      "card": open(card).read() if os.path.isfile(card) else None})
+        write()
+        if kwargs.get("run_as_future"):  # Trainer's pushes at each checkpoint
+            future = concurrent.futures.Future()
+            future.set_result("commit")
+            return future
+        return "commit"
+
+    HfApi.create_repo, HfApi.upload_folder = create_repo, upload_folder
+    write()
+    return calls
+
+
 def main(spec: dict, out_dir: str) -> None:
+    if spec.get("push"):
+        record_uploads(out_dir)
     tokenizer = sample_tokenizer() if spec.get("samples") else None
     overrides = {"vocab_size": len(tokenizer)} if tokenizer is not None else {}
     model = spec.get("model_path") or \
@@ -71,6 +110,8 @@ def main(spec: dict, out_dir: str) -> None:
                      "evaluate": trainer.evaluate()}
     if spec.get("save"):
         trainer.save_model(spec["save"])
+    if spec.get("push"):  # collective: every rank saves its stage, rank 0 uploads
+        trainer.push_to_hub(commit_message="End of training", language="en", tags="pushed")
     logs = [h for h in trainer.state.log_history if "loss" in h]
     with open(os.path.join(out_dir, f"losses-rank{rank}.json"), "w") as f:
         json.dump({"losses": [h["loss"] for h in logs], "logs": logs, "metrics": metrics,
