@@ -34,6 +34,8 @@ _REFUSED_PIPELINED = {
                             "pipeline must read the same batches; set per_device_train_batch_size",
     "bf16_full_eval": "each boundary's dtype is fixed when the pipeline is built; use bf16=True (the stages run "
                       "under bfloat16 autocast) or cast the model before building the trainer",
+    "enable_jit_checkpoint": "each rank's SIGTERM timer would start the stages' collective checkpoint at a different "
+                             "step; use save_steps and resume_from_checkpoint='auto' (docs/reliability.md)",
     **dict.fromkeys(("ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph"),
                     "Trainer never wraps a stage in DDP: replicas average gradients as Plan(dp_compression=...) says"),
 }

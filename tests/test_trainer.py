@@ -14,7 +14,14 @@ import pytest
 import torch
 from distributed import run_workers
 from safetensors.torch import load_file
-from trainer_cases import extending_trainer, lora_model, pad_collator, ragged_dataset, training_args
+from trainer_cases import (
+    doubled,
+    extending_trainer,
+    lora_model,
+    pad_collator,
+    ragged_dataset,
+    training_args,
+)
 from transformers import Trainer, TrainingArguments
 
 import hf_actcomp
@@ -275,6 +282,7 @@ def test_refused_with_several_processes():
         _check_arguments(args(torch_compile=True), Plan(num_stages=2, schedule="zbh1"), {})
     for name, value, message in (("auto_find_batch_size", True, "shrink one stage's batch alone"),
                                  ("bf16_full_eval", True, "boundary's dtype is fixed"),
+                                 ("enable_jit_checkpoint", True, "at a different step"),
                                  ("ddp_bucket_cap_mb", 25, "never wraps a stage in DDP"),
                                  ("ddp_find_unused_parameters", False, "never wraps a stage in DDP")):
         with pytest.raises(ValueError, match=f"several processes does not support TrainingArguments\\({name}=.*{message}"):
@@ -335,6 +343,25 @@ def test_dataloaders_take_every_dataloader_setting(tmp_path):
         assert type(loader.multiprocessing_context).__name__ == "SpawnContext"
 
 
+def test_pipelined_evaluation_hands_every_batch_key_to_the_stages():
+    """Evaluation with several processes passes the batch as training does, every key, so a key
+    the stages cannot take fails there with training's error instead of being dropped."""
+    from hf_actcomp.batching import check_batch
+    from hf_actcomp.trainer_evaluation import pipelined_prediction_step
+
+    seen = []
+    pipe = SimpleNamespace(eval_step=lambda batch, **kwargs: seen.append(sorted(batch)) or SimpleNamespace(loss=None),
+                           is_last=True)
+    trainer = SimpleNamespace(_prepare_inputs=lambda inputs: inputs, eval_item_count=lambda inputs: None,
+                              label_names=["labels"], eval_plain_loss=False)
+    batch = pad_collator([ragged_dataset()[i] for i in range(2)])
+    batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+    pipelined_prediction_step(trainer, pipe, batch, prediction_loss_only=True, preprocess=None)
+    assert seen == [["attention_mask", "input_ids", "labels", "token_type_ids"]]
+    with pytest.raises(ValueError, match=r"got keys \['attention_mask', 'input_ids', 'labels', 'token_type_ids'\]"):
+        check_batch(batch, Plan(num_stages=2), training=False)
+
+
 def test_neftune_noise_reaches_the_first_stage(tmp_path):
     """neftune_noise_alpha: Trainer's hook on the input embeddings fires inside the stages (the
     losses move), and Trainer removes it after training (evaluation is noiseless again)."""
@@ -392,6 +419,8 @@ def two_processes(tmp_path_factory):
                      "args": {"include_num_input_tokens_seen": "non_padding"}},
         # a model that takes no loss kwargs: Trainer passes no num_items_in_batch
         "model_mean": {"plan": {"num_stages": 2}, "model_mean": True},
+        # the user's loss set on the model, which replaces a compute_loss override
+        "double_loss": {"plan": {"num_stages": 2}, "double_loss": True, "args": {"max_steps": 1}},
         # push_to_hub under torchrun: every stage saved, one upload with our card
         "push": {"plan": {"num_stages": 2}, "push": True,
                  "args": {"push_to_hub": True, "hub_model_id": "user/piped", "save_strategy": "steps",
@@ -557,6 +586,21 @@ def test_overrides_the_stages_would_bypass_are_refused_with_several_processes(tm
                             plan=Plan(num_stages=2), train_dataset=ragged_dataset(), data_collator=pad_collator)
     trainer.train()
     assert _logged(trainer, "loss")[0] == pytest.approx(2 * _logged(reference, "loss")[0], rel=1e-6)
+
+
+def test_a_loss_set_on_the_model_runs_on_every_process_count(tmp_path, two_processes):
+    """What the refusal of compute_loss points to: `model.loss_function = fn` is what the stages
+    call, in one process and on 2 (here the model's own loss, doubled)."""
+    reference = _reference(tmp_path, debug_model("gpt2", seed=0))
+    model = debug_model("gpt2", seed=0)
+    model.loss_function = doubled(model.loss_function)
+    trainer = ActCompTrainer(model=model, args=training_args(str(tmp_path / "one"), max_steps=1),
+                             plan=Plan(num_stages=2), train_dataset=ragged_dataset(), data_collator=pad_collator)
+    trainer.train()
+    _, results = _results(two_processes, "double_loss", 2)
+    expected = 2 * _logged(reference, "loss")[0]
+    for first in (_logged(trainer, "loss")[0], *(r["losses"][0] for r in results)):
+        assert first == pytest.approx(expected, rel=1e-6)
 
 
 def test_distributed_tokens_per_replica_match_trainer_under_ddp(tmp_path, four_processes):

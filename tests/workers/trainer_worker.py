@@ -5,7 +5,7 @@ SPEC: {"family", "dtype", "plan" (Plan dict), "args" (TrainingArguments override
 LogSamplesCallback, with a small tokenizer and the model's vocabulary sized to it), "model_path" (a saved
 checkpoint given to ActCompTrainer by path instead of the in-memory debug model), "predict" (compute_metrics
 and preprocess_logits_for_metrics from trainer_cases; after training, predict() and evaluate()), "subclass"
-(trainer_cases.extending_trainer instead of ActCompTrainer), "model_mean" (a model that takes no loss kwargs), "plain" (transformers.Trainer on the whole model instead, DDP over
+(trainer_cases.extending_trainer instead of ActCompTrainer), "model_mean" (a model that takes no loss kwargs), "double_loss" (model.loss_function doubled), "plain" (transformers.Trainer on the whole model instead, DDP over
 the processes), "push" (Trainer.push_to_hub at the end, with the Hub's two calls recorded per rank)}. Each rank writes its logged losses
 (`losses-rank{r}.json`) and its stage's parameters (`weights-rank{r}.safetensors`).
 """
@@ -26,6 +26,7 @@ from hf_actcomp.debug import debug_model
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainer_cases import (  # noqa: E402
     argmax_logits,
+    doubled,
     extending_trainer,
     lora_model,
     pad_collator,
@@ -81,6 +82,8 @@ def main(spec: dict, out_dir: str) -> None:
         debug_model(spec.get("family", "gpt2"), seed=0, **overrides).to(getattr(torch, spec.get("dtype", "float32")))
     if spec.get("model_mean"):  # Trainer then passes no num_items_in_batch: the model takes each batch's mean
         model.accepts_loss_kwargs = False
+    if spec.get("double_loss"):  # a loss of the user's own, set on the model (what replaces compute_loss)
+        model.loss_function = doubled(model.loss_function)
     if spec.get("lora"):
         model = lora_model(model)
     plan = hf_actcomp.Plan.from_dict(spec.get("plan", {"num_stages": 2}))
