@@ -321,10 +321,8 @@ class ActCompTrainer(Trainer):
         evaluations = [h for h in self.state.log_history if "eval_loss" in h]
         samples = [s for cb in self.callback_handler.callbacks if isinstance(cb, LogSamplesCallback)
                    for s in cb.samples]
-        tags = list(self._card_fields.get("tags") or [])
-        for tag in [*(getattr(self.model, "model_tags", None) or []), *getattr(self, "_tag_names", [])]:
-            if tag not in tags:
-                tags.append(tag)
+        tags = list(dict.fromkeys([*(self._card_fields.get("tags") or []),
+                                   *(getattr(self.model, "model_tags", None) or []), *getattr(self, "_tag_names", [])]))
         card = {**self._card_fields, **({"tags": tags} if tags else {})}
         extra = {"base_model": self._card_base_model} if self._card_base_model else {}
         if self._card_datasets:
