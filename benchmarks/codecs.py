@@ -45,6 +45,8 @@ CASES = [
     ("randk", dict(ratio=0.1)),
     ("hadamard", dict(bits=3)),
     ("hadamard", dict(bits=4)),
+    ("hadamard_outliers", dict(bits=4)),
+    ("hadamard_outliers", dict(bits=6)),
 ]
 
 # Scalings compared on tensors with outlier channels: the name, the codec and its parameters.

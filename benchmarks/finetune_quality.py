@@ -22,18 +22,17 @@ of settings and seeds not run again).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
 import platform
 import statistics
-import sysconfig
 import time
 
 import torch
 from convergence import eval_loss, make_model  # the same model and token-weighted eval
 from convergence import settings as convergence_settings
+from smollm2 import stdlib_sources  # the same stdlib files as the real-model benchmarks
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
@@ -69,17 +68,6 @@ def settings() -> dict[str, tuple[Compression, Compression, Compression | None]]
     return {**{name: (*every[name], None) for name in order}, **ties}
 
 
-def stdlib_corpus(max_files: int) -> list[str]:
-    """The source of the standard library's top-level modules, in name order (offline; the
-    same files for the same Python version)."""
-    paths = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:max_files]
-    texts = []
-    for path in paths:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            texts.append(f.read())
-    return texts
-
-
 def corpora(args):
     """The pre-training blocks (docs: train, eval), the fine-tuning blocks (stdlib source: train,
     the first `eval_samples` held-out ones) and the vocabulary size of the tokenizer built on the
@@ -87,7 +75,7 @@ def corpora(args):
     docs = offline_corpus()
     tokenizer = build_tokenizer(docs, vocab_size=1024)
     pre_train, pre_eval = causal_lm_datasets(tokenizer, docs, seq_len=args.seq_len, max_train_samples=1024)
-    code = stdlib_corpus(args.stdlib_files)
+    code = stdlib_sources(args.stdlib_files)
     ft_train, ft_eval = causal_lm_datasets(tokenizer, code, seq_len=args.seq_len, max_train_samples=args.train_samples)
     ft_eval = ft_eval.select(range(min(args.eval_samples, len(ft_eval))))
     return pre_train, pre_eval, ft_train, ft_eval, len(tokenizer)

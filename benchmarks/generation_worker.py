@@ -38,11 +38,13 @@ from slow_link_worker import measure
 import hf_actcomp
 from hf_actcomp import Compression, Plan
 
+# The codecs themselves at inference (`inference="direct"`): what each costs in time and agreement
+# (the default `inference="auto"` would replace the ones a real LLM breaks; docs/real_model.md).
 CODECS = {
     "none": Compression("none"),
     "bf16": Compression("bf16"),
-    "quantize-8": Compression("quantize", bits=8),
-    "hadamard-4": Compression("hadamard", bits=4),
+    "quantize-8": Compression("quantize", bits=8, inference="direct"),
+    "hadamard-4": Compression("hadamard", bits=4, inference="direct"),
 }
 # Codec none with every parameter frozen (requires_grad=False): the tied embedding is then never
 # exchanged (`TiedEmbedding.active`), which shows what the per-step row exchange costs.

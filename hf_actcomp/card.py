@@ -19,6 +19,7 @@ from .card_methods import card_citations, card_tags
 from .card_tables import communication_table, evaluation_table, plan_table, timing_table
 from .curves import CURVES_NAME
 from .plan import Plan
+from .plan.inference_form import resolve_inference
 from .run_results import load_results
 
 CARD_NAME = "README.md"
@@ -153,9 +154,10 @@ def _usage(plan: Plan, repo: str, adapter: bool, metrics: dict) -> tuple[str, st
     usage = (load + "\n\n# As trained: the same stage boundaries, compressed (the plan saved with the model)\n"
              "import hf_actcomp\nwith hf_actcomp.compressed_inference(model) as inf:\n"
              "    out = inf.generate(input_ids, max_new_tokens=20)")
+    sent = {resolve_inference(plan.forward_at(b)).describe() for b in range(plan.num_stages - 1)}
     note = (f"The model was trained with `{'`, `'.join(sorted(forwards))}` activations between stages. Plain "
-            "`from_pretrained` runs it without compression; `compressed_inference` runs it with the codec it "
-            "was trained with (models trained with TopK can need it).")
+            "`from_pretrained` runs it without compression; `compressed_inference` runs it through the plan's "
+            f"inference form, `{'`, `'.join(sorted(sent))}` at each boundary (`Compression.inference`).")
     if metrics.get("eval_loss") is not None and metrics.get("eval_plain_loss") is not None:
         note += (f" Measured on the evaluation set: loss {metrics['eval_loss']:.4f} with the codec, "
                  f"{metrics['eval_plain_loss']:.4f} without.")

@@ -57,11 +57,13 @@ def causal_lm_datasets(
     seq_len: int = 128,
     eval_fraction: float = 0.1,
     max_train_samples: int | None = None,
+    eval_blocks: int | None = None,
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Concatenate `texts`, cut them into fixed-length blocks, and split train / eval.
 
     Rows carry `input_ids`, `attention_mask`, `labels` (= input_ids) and, in train, `sample_id`.
     Fixed length keeps pipeline shapes static and lets AQ-SGD keep one activation per row.
+    The eval split is the last `eval_blocks` blocks when given, else the last `eval_fraction` of them.
     """
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval_fraction={eval_fraction!r} must lie in (0, 1).")
@@ -72,7 +74,10 @@ def causal_lm_datasets(
     blocks = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
     if len(blocks) < 2:
         raise ValueError(f"The corpus gives {len(blocks)} blocks of {seq_len} tokens; need at least 2.")
-    num_eval = max(1, int(len(blocks) * eval_fraction))
+    num_eval = max(1, int(len(blocks) * eval_fraction)) if eval_blocks is None else eval_blocks
+    if not 1 <= num_eval < len(blocks):
+        raise ValueError(f"eval_blocks={eval_blocks!r}: the corpus gives {len(blocks)} blocks of {seq_len} tokens, "
+                         "and the eval split needs at least 1 and must leave 1 to train on.")
     train_blocks, eval_blocks = blocks[:-num_eval], blocks[-num_eval:]
     if max_train_samples is not None:
         train_blocks = train_blocks[:max_train_samples]

@@ -20,6 +20,7 @@ import torch
 from .codecs import Codec, make_codec
 from .memory import MemoryStore, check_sample_ids
 from .plan import Compression, MemoryConfig
+from .plan.inference_form import resolve_inference
 from .state_dict import prefixed, unprefixed
 
 logger = logging.getLogger(__name__)
@@ -40,15 +41,10 @@ def build_first_visit_codec(compression: Compression) -> Codec:
 
 
 def build_inference_codec(compression: Compression) -> Codec:
-    """The stateless codec used where no training state exists (evaluation, generation).
-
-    AQ-SGD has no memory for unseen inputs: it falls back to its inner codec at the same
-    setting (`inference="direct"`) or to no compression (`inference="none"`). Feedback
-    wrappers are dropped: their state belongs to training.
-    """
-    if compression.method == "aqsgd" and compression.inference == "none":
-        return make_codec("none")
-    return build_codec(compression)
+    """The stateless codec used where no training state exists (evaluation, generation): what
+    `Compression.inference` resolves to (hf_actcomp/plan/inference_form.py). Feedback wrappers
+    are dropped: their state belongs to training."""
+    return build_codec(resolve_inference(compression))
 
 
 # ---------------------------------------------------------------------------------- receivers

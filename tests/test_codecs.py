@@ -27,13 +27,16 @@ CODEC_PARAMS = [
     ("hadamard", dict(bits=3)),
     ("hadamard", dict(bits=4, rounding="stochastic", group_size=32)),
     ("hadamard", dict(bits=8, group_size=7)),
+    ("hadamard_outliers", dict(bits=4)),
+    ("hadamard_outliers", dict(bits=3, outliers=0, group_size=8, rounding="stochastic")),
+    ("hadamard_outliers", dict(bits=8, outliers=2)),
     ("topk_quantize", dict(ratio=0.1)),
     ("topk_quantize", dict(ratio=0.3, bits=5, group_size=7, value_dtype="bf16")),
 ]
 
 
 def test_registry_lists_all_codecs():
-    assert available_codecs() == ["bf16", "fp16", "hadamard", "none", "quantize", "randk", "topk", "topk_quantize"]
+    assert available_codecs() == ["bf16", "fp16", "hadamard", "hadamard_outliers", "none", "quantize", "randk", "topk", "topk_quantize"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -174,7 +177,7 @@ def test_randk_sides_agree_through_shared_seed():
 @pytest.mark.parametrize(
     "name, params, message",
     [
-        ("zip", {}, "Unknown codec 'zip'. Available codecs: bf16, fp16, hadamard, none, quantize, randk, topk, topk_quantize"),
+        ("zip", {}, "Unknown codec 'zip'. Available codecs: bf16, fp16, hadamard, hadamard_outliers, none, quantize, randk, topk, topk_quantize"),
         ("hadamard", dict(bits=0), "hadamard bits=0 is outside the allowed range 1..8"),
         ("hadamard", dict(bits=4, boost_fraction=0.5), r"boost_fraction=0.5 is outside the allowed range \[0, 0.5\)"),
         ("hadamard", dict(bits=4, rounding="up"), "rounding='up' is not valid"),
@@ -274,3 +277,50 @@ def test_hadamard_stochastic_rounding_is_unbiased_and_resumable():
     b = make_codec("hadamard", bits=2, rounding="stochastic", group_size=32, seed=3)
     b.load_state_dict(codec.state_dict())
     assert torch.equal(codec.encode(x), b.encode(x))
+
+
+def _sink_and_outlier_channels(rows=2, tokens=16, hidden=64):
+    """A pretrained LLM's residual stream in miniature: an attention-sink token per sequence
+    hundreds of times the others' norm, two channels tens of times the rest, a shared offset."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, tokens, hidden) + 0.5
+    x[:, :, 5] += 40.0
+    x[:, :, 17] -= 25.0
+    x[:, 3] *= 300.0
+    return x
+
+
+def test_hadamard_outliers_payload_layout_is_exact():
+    codec = make_codec("hadamard_outliers", bits=4)
+    rows, tokens, hidden, k = 2, 16, 64, 4
+    # sink index (int32) and token (bf16) per sequence, the channel mean (fp16), k outliers per
+    # token (int16 index, bf16 value), one bf16 scale per 64-element tile, 4-bit codes.
+    expected = 4 * rows + 2 * rows * hidden + 2 * hidden + 4 * rows * tokens * k + 2 * rows * tokens + \
+        rows * tokens * hidden // 2
+    assert codec.payload_nbytes((rows, tokens, hidden), torch.float32) == expected == 1992
+    assert codec.encode(_sink_and_outlier_channels()).numel() == expected
+    # SmolLM2's hidden 576: tiles of 96 (the largest divisor not above group_size 128), never across tokens.
+    from hf_actcomp.codecs.hadamard_outliers import tile_size
+    assert [tile_size(576, 128), tile_size(576, 64), tile_size(7, 128), tile_size(128, 128)] == [96, 64, 7, 128]
+
+
+def test_hadamard_outliers_sends_sink_and_outlier_channels_apart():
+    x = _sink_and_outlier_channels()
+    codec = make_codec("hadamard_outliers", bits=4)
+    out = codec.decode(codec.encode(x), x.shape, x.dtype)
+    assert torch.equal(out[:, 3], x[:, 3].bfloat16().float())  # the sink, whole in bf16
+    rest = torch.cat([out[:, :3], out[:, 4:]], 1) - torch.cat([x[:, :3], x[:, 4:]], 1)
+    for channel in (5, 17):  # sent apart: only bf16 and fp16-mean rounding left
+        assert rest[..., channel].abs().max() < 0.5
+    plain = make_codec("hadamard", bits=4)
+    assert _relative_error(codec, x) < 0.1 * _relative_error(plain, x)
+    others = torch.cat([x[:, :3], x[:, 4:]], 1)
+    assert float(rest.norm() / others.norm()) < 0.02
+
+
+def test_hadamard_outliers_sends_one_token_messages_as_bf16():
+    codec = make_codec("hadamard_outliers", bits=3)
+    x = torch.randn(4, 1, 64)  # a generation step: one new token per sequence
+    payload = codec.encode(x)
+    assert payload.numel() == codec.payload_nbytes(x.shape, x.dtype) == 2 * x.numel()
+    assert torch.equal(codec.decode(payload, x.shape, x.dtype), x.bfloat16().float())

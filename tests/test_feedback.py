@@ -1,9 +1,13 @@
 """Sender/receiver state: error feedback accounting, EF21 agreement, AQ-SGD memory identity."""
 
+import json
+import re
+import warnings
+
 import pytest
 import torch
 
-from hf_actcomp import Compression, MemoryConfig
+from hf_actcomp import Compression, MemoryConfig, Plan
 from hf_actcomp.feedback import (
     AQSGDSender,
     EF21Sender,
@@ -13,6 +17,7 @@ from hf_actcomp.feedback import (
     build_receiver,
     build_sender,
 )
+from hf_actcomp.plan.inference_form import resolve_inference
 
 
 def pair(compression, memory=None):
@@ -253,10 +258,47 @@ def test_state_dict_round_trip_continues_identically():
     assert torch.equal(a.encode(y), b.encode(y))
 
 
-def test_inference_codec_fallbacks():
-    assert build_inference_codec(Compression("aqsgd", bits=3)).name == "quantize"
+def test_inference_form_auto_keeps_what_held_on_the_real_model_and_replaces_the_rest():
+    auto = "hadamard_outliers6"
+    cases = [
+        (Compression("aqsgd", bits=2), auto),  # AQ-SGD has no memory for an unseen input
+        (Compression("aqsgd", bits=4, first_visit=Compression("hadamard", bits=4)), auto),
+        (Compression("hadamard", bits=4), auto),  # +4.6% at 4 stages on SmolLM2
+        (Compression("quantize", bits=8), auto),  # +1.22% at 8 stages
+        (Compression("topk", ratio=0.3, feedback="ef"), auto),
+        (Compression("hadamard", bits=8), "hadamard8"),
+        (Compression("hadamard_outliers", bits=6), "hadamard_outliers6"),
+        (Compression("bf16"), "bf16"),
+        (Compression(), "none"),
+    ]
+    for compression, expected in cases:
+        assert resolve_inference(compression).describe() == expected, compression.describe()
+        assert build_inference_codec(compression).name == resolve_inference(compression).method
+
+
+def test_inference_form_explicit_choices_and_their_warnings():
     assert build_inference_codec(Compression("aqsgd", bits=3, inference="none")).name == "none"
-    assert build_inference_codec(Compression("topk", ratio=0.1, feedback="ef")).name == "topk"
+    chosen = Compression("quantize", bits=2, inference={"method": "bf16"})  # a dict from JSON
+    assert chosen.inference == Compression("bf16") and build_inference_codec(chosen).name == "bf16"
+    plan = Plan(forward=Compression("aqsgd", bits=2, inference=Compression("hadamard_outliers", bits=5, outliers=8)))
+    assert Plan.from_dict(json.loads(plan.to_json_string())) == plan  # saved and read with the plan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # held on the real model: no warning
+        assert build_inference_codec(Compression("hadamard", bits=8, inference="direct")).name == "hadamard"
+    with pytest.warns(UserWarning, match=r"inference='direct' \(AQ-SGD's inner codec\) = quantize3 was measured "
+                                         r"to cost more than 1% .* inference='auto' picks hadamard_outliers6"):
+        codec = build_inference_codec(Compression("aqsgd", bits=3, inference="direct"))
+    assert (codec.name, codec.bits) == ("quantize", 3)
+    with pytest.warns(UserWarning, match=r"Compression.inference = topk0.1 was measured"):
+        build_inference_codec(Compression("none", inference=Compression("topk", ratio=0.1)))
+    with pytest.warns(UserWarning, match="topk0.1 was measured"):  # feedback dropped at inference
+        assert build_inference_codec(Compression("topk", ratio=0.1, feedback="ef", inference="direct")).name == "topk"
+    for bad, message in [("exact", "Compression.inference='exact' is not valid. Allowed values: auto, direct, none, "
+                                   "or a stateless Compression"),
+                         (Compression("aqsgd", bits=2), "inference needs a stateless codec"),
+                         (Compression("topk", ratio=0.1, feedback="ef"), "inference needs a stateless codec")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            Compression("quantize", bits=4, inference=bad)
 
 
 def test_ef21_receiver_output_does_not_alias_its_estimate():

@@ -57,6 +57,8 @@ def test_card_metadata_and_body(saved_run):
     assert "| forward (activations) | `aqsgd-quantize4` |" in text
     assert "| AQ-SGD memory | 32 samples, fp16, on host |" in text
     assert "hf_actcomp.compressed_inference(model)" in text and "AutoModelForCausalLM.from_pretrained" in text
+    # AQ-SGD has no memory at inference: the card names what the boundary sends there.
+    assert "through the plan's inference form, `hadamard_outliers6` at each boundary" in text
     assert "![Training curves](training_curves.png)" in text
     assert "wang2022aqsgd" in text and "rudakov2024activations" in text and "dgc" not in text
     assert f"transformers {__import__('transformers').__version__}" in text

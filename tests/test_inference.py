@@ -1,5 +1,6 @@
 """compressed_inference(): evaluation and generate() through compressed boundaries, undoable."""
 
+import pytest
 import torch
 
 from hf_actcomp import Compression, MemoryConfig, Plan, compressed_inference, simulate
@@ -53,7 +54,7 @@ def test_8bit_boundaries_keep_logits_close_and_argmax_unchanged():
     ids = prompt(model, batch=4, length=32)
     with torch.no_grad():
         plain = model(ids).logits
-        with compressed_inference(model, Plan(forward=Compression("quantize", bits=8))) as inf:
+        with compressed_inference(model, Plan(forward=Compression("quantize", bits=8, inference="direct"))) as inf:
             logits = inf(ids).logits
             activation_error = inf.stats()["relative_error"]["boundary0.forward"]
     # 8-bit max-abs groups of 128: each element is off by at most s / 255 and a group's norm is at
@@ -78,8 +79,9 @@ def test_quantized_generation_with_cache_and_sampling_and_undo():
     # One scale per token (group_size = hidden size 64): a token's code does not depend on the
     # tokens sent with it, so the KV-cache path (one new token per message) and a full re-run
     # compress every position identically, and the two decodings must agree token for token.
-    plan = Plan(forward=Compression("quantize", bits=2, group_size=64))
-    inf = compressed_inference(model, plan)
+    plan = Plan(forward=Compression("quantize", bits=2, group_size=64, inference="direct"))
+    with pytest.warns(UserWarning, match=r"inference='direct' = quantize2 was measured to cost more than 1%"):
+        inf = compressed_inference(model, plan)
     greedy = inf.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True)
     torch.manual_seed(0)
     sampled = inf.generate(ids, max_new_tokens=6, do_sample=True, top_k=20)
@@ -110,8 +112,10 @@ def test_aqsgd_inference_fallbacks():
     ids = prompt(model)
     plain = model(ids).logits
     memory = MemoryConfig(num_samples=10)
-    plan = Plan(forward=Compression("aqsgd", bits=4), memory=memory)
-    with compressed_inference(model, plan) as inf:
+    plan = Plan(forward=Compression("aqsgd", bits=4, inference="direct"), memory=memory)
+    with pytest.warns(UserWarning, match=r"'direct' \(AQ-SGD's inner codec\) = quantize4 was measured"):
+        inf = compressed_inference(model, plan)
+    with inf:
         direct = inf(ids).logits
         boundary_block = inf.ranges[0].stop - 1
     with compressed_inference(model, Plan(forward=Compression("aqsgd", bits=4, inference="none"), memory=memory)) as inf:

@@ -13,6 +13,7 @@ import inspect
 from .base import BITS, GROUP_SIZE, RATIO, ROUNDING, SEED, Codec, Param
 from .cast import Bf16Codec, Fp16Codec, NoneCodec
 from .hadamard import HadamardCodec
+from .hadamard_outliers import HadamardOutliersCodec
 from .quantize import QuantizeCodec
 from .sparsify import RandKCodec, TopKCodec
 from .topk_quantize import TopKQuantizeCodec
@@ -74,7 +75,7 @@ def make_codec(name: str, **params) -> Codec:
 
 
 for _cls in (NoneCodec, Fp16Codec, Bf16Codec, QuantizeCodec, TopKCodec, RandKCodec, HadamardCodec,
-             TopKQuantizeCodec):
+             HadamardOutliersCodec, TopKQuantizeCodec):
     register_codec(_cls)
 
 __all__ = [
@@ -88,6 +89,7 @@ __all__ = [
     "Codec",
     "Fp16Codec",
     "HadamardCodec",
+    "HadamardOutliersCodec",
     "NoneCodec",
     "Param",
     "QuantizeCodec",

@@ -21,7 +21,9 @@ AQSGD = "aqsgd"
 FEEDBACK_KINDS = ("none", "ef", "ef21")
 AQSGD_INNER = ("quantize", "topk")
 FIRST_VISIT = ("full", "direct")
-INFERENCE_FALLBACK = ("direct", "none")
+# What a direction sends at inference (hf_actcomp/plan/inference_form.py resolves them).
+INFERENCE_CHOICES = ("auto", "direct", "none")
+INFERENCE_FALLBACK = INFERENCE_CHOICES  # the name earlier versions exported
 
 
 def _registered_choices(key: str) -> list[Any]:
@@ -45,7 +47,7 @@ class Compression:
 
     Args:
         method: codec name (`none`, `fp16`, `bf16`, `quantize`, `topk`, `randk`, `hadamard`,
-            `topk_quantize`, or one registered with `hf_actcomp.register_codec`) or `aqsgd` (delta
+            `hadamard_outliers`, `topk_quantize`, or one registered with `hf_actcomp.register_codec`) or `aqsgd` (delta
             against a per-sample memory, forward direction only). `hadamard`
             rotates each token by a random-sign Hadamard matrix before tile-wise quantization with
             per-tile widths: stateless, for data sets too large for AQ-SGD's memory.
@@ -71,9 +73,13 @@ class Compression:
             stateless `Compression` (a compressed warm-up, e.g. `Compression("hadamard", bits=4)`:
             its decoded value becomes the sample's memory entry, which later deltas correct). A
             dict (from JSON or YAML) is read as a `Compression`.
-        inference: what `aqsgd` becomes at inference, where there is no memory: `direct` (the
-            inner codec on the activation) or `none`.
+        inference: what this direction sends at inference (evaluation, `compressed_inference`,
+            split `generate`), where AQ-SGD has no memory: `auto` (default: the training codec
+            where it was measured to hold within 1% on a real LLM, else `hadamard_outliers` at 6
+            bits; hf_actcomp/plan/inference_form.py), `direct` (the training codec; for `aqsgd`
+            its inner codec), `none`, or a stateless `Compression` (a dict is read as one).
         seed: seed of stochastic rounding and random-k index streams (shared by both sides).
+        outliers: channels per token `hadamard_outliers` sends apart (None: its default, 4).
     """
 
     method: str = "none"
@@ -86,8 +92,9 @@ class Compression:
     feedback: str = "none"
     inner: str = "quantize"
     first_visit: str | Compression = "full"
-    inference: str = "direct"
+    inference: str | Compression = "auto"
     seed: int = 0
+    outliers: int | None = None
 
     def __post_init__(self) -> None:
         owner = "Compression"
@@ -100,7 +107,7 @@ class Compression:
         _check_choice(owner, "feedback", self.feedback, FEEDBACK_KINDS)
         _check_choice(owner, "inner", self.inner, AQSGD_INNER)
         self.first_visit = _check_first_visit(self.first_visit)
-        _check_choice(owner, "inference", self.inference, INFERENCE_FALLBACK)
+        self.inference = _check_inference(self.inference)
         if not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"Compression.group_size={self.group_size!r} must be a positive integer.")
         self._check_codec_fields()
@@ -185,6 +192,23 @@ def _check_first_visit(value: Any) -> str | Compression:
     raise ValueError(
         f"{owner}={value!r} is not valid. Allowed values: {', '.join(FIRST_VISIT)}, or a stateless "
         f"Compression (method: {', '.join(available_codecs())}; feedback: none)."
+    )
+
+
+def _check_inference(value: Any) -> str | Compression:
+    """`Compression.inference`: `auto`, `direct`, `none`, or a stateless `Compression` (or its dict)."""
+    if isinstance(value, str) and value in INFERENCE_CHOICES:
+        return value
+    if isinstance(value, dict):
+        value = _read_compression(value, "Compression.inference")
+    if isinstance(value, Compression):
+        if value.method == AQSGD or value.feedback != "none":
+            raise ValueError(f"Compression.inference={value.describe()!r} is not valid: inference needs a stateless "
+                             f"codec. Allowed methods: {', '.join(available_codecs())}; feedback: none.")
+        return value
+    raise ValueError(
+        f"Compression.inference={value!r} is not valid. Allowed values: {', '.join(INFERENCE_CHOICES)}, or a "
+        f"stateless Compression (method: {', '.join(available_codecs())}; feedback: none)."
     )
 
 
