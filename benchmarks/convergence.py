@@ -67,6 +67,23 @@ def eval_loss(module, loader) -> float:
     return total / tokens
 
 
+def train_epochs(sim, loader, optimizer, epochs: int, evaluate) -> tuple[list[float], list[float]]:
+    """`epochs` passes over `loader` through `sim` (one optimizer step a batch); returns the
+    training losses and `evaluate()` (in eval mode) after each epoch."""
+    curve, epoch_eval = [], []
+    for _epoch in range(epochs):
+        for batch in loader:
+            loss = sim(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            curve.append(loss.item())
+        sim.eval()
+        epoch_eval.append(evaluate())
+        sim.train()
+    return curve, epoch_eval
+
+
 def run(name, forward, backward, data, args) -> dict:
     train, evaluation, vocab = data
     model = make_model(vocab, args.seq_len, args.seed)
@@ -78,18 +95,8 @@ def run(name, forward, backward, data, args) -> dict:
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
                         collate_fn=default_data_collator, generator=generator)
     eval_loader = DataLoader(evaluation, batch_size=32, collate_fn=default_data_collator)
-    curve, epoch_eval = [], []
     start = time.perf_counter()
-    for _epoch in range(args.epochs):
-        for batch in loader:
-            loss = sim(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            curve.append(loss.item())
-        sim.eval()
-        epoch_eval.append(eval_loss(sim, eval_loader))
-        sim.train()
+    curve, epoch_eval = train_epochs(sim, loader, optimizer, args.epochs, lambda: eval_loss(sim, eval_loader))
     seconds = time.perf_counter() - start
     stats = sim.stats()
     steps = len(curve)

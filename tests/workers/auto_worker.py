@@ -2,7 +2,7 @@
 
 mixed (3 ranks): boundary 0 faked fast, boundary 1 faked slow; 4 SGD steps; losses, stats, plan.
 shaped (2 ranks, each in its own network namespace): what Plan.auto measures over a real shaped link.
-adapt (2 ranks): a plain `none` run of 2 steps, then Plan.auto(aqsgd, adapt_every=2) for 6 steps
+adapt (2 ranks): a plain `none` run of 2 steps, then Plan.auto(aqsgd, quality="fast", adapt_every=2) for 6 steps
     whose faked link slows down after steps 2 and 4; then a fresh auto pipeline loads the state.
 """
 
@@ -55,7 +55,7 @@ def adapt(out_dir: str) -> dict:
     plain_losses = sgd_losses(plain, lambda batch: plain.train_step(batch).loss, 2)
     plain_weights = parameters(plain)
 
-    plan = Plan.auto(num_stages=2, micro_batches=2, aqsgd=True, adapt_every=2,
+    plan = Plan.auto(num_stages=2, micro_batches=2, aqsgd=True, adapt_every=2, quality="fast", tolerance=0.5,
                      memory=MemoryConfig(num_samples=NUM_SAMPLES, dtype="fp32"))
     pipe = hf_actcomp.prepare(debug_model("gpt2", seed=0), plan, timeout=60)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)

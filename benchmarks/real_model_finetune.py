@@ -1,0 +1,187 @@
+"""Fine-tuning quality on a real pretrained LLM: SmolLM2-135M continued on stdlib source through
+compressed boundaries (`simulate`, one process), each recommended plan beside uncompressed.
+
+Per (stages, setting, seed): a fresh copy of the model from the fixture (benchmarks/smollm2.py),
+AdamW, the same batches in the same order for every setting of a seed; after the last epoch the
+held-out eval loss with plain inference (the trained weights) and through the plan's inference
+form (`compressed_inference`, `Compression.inference="auto"`). Bytes per step are the boundary
+traffic `simulate` counts (activations and their gradients; the tied embedding's rows apart).
+
+    python benchmarks/real_model_finetune.py --stages 2 --seeds 0 1 2        # ~3 min per run here
+    python benchmarks/real_model_finetune.py --stages 4 --seeds 0 1 2 --merge  # add rows to the file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM, default_data_collator
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import smollm2  # noqa: E402
+from convergence import eval_loss, train_epochs  # noqa: E402  (token-weighted eval, the epochs loop)
+
+import hf_actcomp  # noqa: E402
+from hf_actcomp import Compression, MemoryConfig, Plan  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+WARM_UP = Compression("hadamard", bits=4)
+
+
+def settings() -> dict[str, tuple[Compression, Compression]]:
+    """The plans README, the docs and `Plan.auto`'s ladders recommend (forward, backward)."""
+    q = lambda bits: Compression("quantize", bits=bits)  # noqa: E731
+    return {
+        "none": (Compression(), Compression()),
+        "aqsgd fw2/bw4 warm-up h4": (Compression("aqsgd", bits=2, first_visit=WARM_UP), q(4)),
+        "aqsgd fw4/bw8 warm-up h4": (Compression("aqsgd", bits=4, first_visit=WARM_UP), q(8)),
+        "hadamard fw4/bw8": (Compression("hadamard", bits=4), Compression("hadamard", bits=8)),
+        "quantize fw3/bw6": (q(3), q(6)),
+        "hadamard_outliers fw4/bw8": (Compression("hadamard_outliers", bits=4), q(8)),
+        "hadamard_outliers fw3/bw6": (Compression("hadamard_outliers", bits=3), q(6)),
+    }
+
+
+def finetune(name: str, stages: int, seed: int, data, args) -> dict:
+    train, held_out = data
+    forward, backward = settings()[name]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(smollm2.smollm2_dir(), dtype=torch.float32)
+    plan = Plan(num_stages=stages, micro_batches=args.micro_batches, schedule="gpipe", forward=forward,
+                backward=backward, memory=MemoryConfig(num_samples=len(train), store="host", dtype="fp16"))
+    sim = hf_actcomp.simulate(model, plan)
+    optimizer = torch.optim.AdamW(sim.parameters(), lr=args.lr)
+    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                        collate_fn=default_data_collator, generator=torch.Generator().manual_seed(seed))
+    evaluation = DataLoader(held_out, batch_size=8, collate_fn=default_data_collator)
+    start = time.perf_counter()
+    # The epochs' eval losses with plain inference: the trained weights, no boundary codec.
+    curve, epoch_eval = train_epochs(sim, loader, optimizer, args.epochs, lambda: eval_loss(model, evaluation))
+    seconds = time.perf_counter() - start
+    stats = sim.stats()
+    model.eval()
+    with hf_actcomp.compressed_inference(model, plan) as inf:
+        inference_form = eval_loss(inf, evaluation)
+    boundary = [stats["categories"][c] for c in ("activations", "activation_gradients")]
+    sent, raw = sum(c["bytes_sent"] for c in boundary), sum(c["bytes_uncompressed"] for c in boundary)
+    row = {"setting": name, "stages": stages, "seed": seed, "forward": forward.describe(),
+           "backward": backward.describe(), "eval_loss": epoch_eval[-1], "epoch_eval_loss": epoch_eval,
+           "eval_loss_inference_form": inference_form,
+           "inference_form": plan.forward.inference if isinstance(plan.forward.inference, str) else "explicit",
+           "bytes_per_step": sent / len(curve), "bytes_per_step_uncompressed": raw / len(curve),
+           "compression_ratio": raw / sent if sent else 1.0, "train_curve": curve, "seconds": seconds}
+    print(f"S={stages} seed {seed} {name:28s} eval {row['eval_loss']:.4f} (inference form {inference_form:.4f}) "
+          f"{row['bytes_per_step'] / 1e6:6.3f} MB/step {row['compression_ratio']:5.1f}x {seconds:5.0f} s", flush=True)
+    return row
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per (stages, setting): median [range] over seeds, and the gap to `none` of the same seed."""
+    base = {(r["stages"], r["seed"]): r["eval_loss"] for r in rows if r["setting"] == "none"}
+    out = []
+    for stages, name in dict.fromkeys((r["stages"], r["setting"]) for r in rows):
+        mine = [r for r in rows if r["stages"] == stages and r["setting"] == name]
+        gaps = [100 * (r["eval_loss"] / base[stages, r["seed"]] - 1) for r in mine if (stages, r["seed"]) in base]
+        form = [100 * (r["eval_loss_inference_form"] / base[stages, r["seed"]] - 1) for r in mine
+                if (stages, r["seed"]) in base]
+        losses = [r["eval_loss"] for r in mine]
+        out.append({"stages": stages, "setting": name, "forward": mine[0]["forward"], "backward": mine[0]["backward"],
+                    "seeds": sorted(r["seed"] for r in mine), "eval_loss": statistics.median(losses),
+                    "eval_loss_min": min(losses), "eval_loss_max": max(losses),
+                    "gap": statistics.median(gaps) if gaps else None, "gap_min": min(gaps) if gaps else None,
+                    "gap_max": max(gaps) if gaps else None, "gap_inference_form": statistics.median(form) if form else None,
+                    "bytes_per_step": statistics.median(r["bytes_per_step"] for r in mine),
+                    "compression_ratio": statistics.median(r["compression_ratio"] for r in mine),
+                    "seconds": statistics.median(r["seconds"] for r in mine)})
+    return out
+
+
+def write(rows: list[dict], meta: dict, name: str) -> None:
+    summary = summarise(rows)
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+        json.dump({"meta": meta, "summary": summary, "rows": rows}, f, indent=1)
+    a = meta["args"]
+    lines = [
+        "# Fine-tuning SmolLM2-135M through compressed boundaries",
+        "",
+        f"`benchmarks/real_model_finetune.py`: SmolLM2-135M-Instruct (fp32, from its Q4_1 GGUF) continued on "
+        f"{meta['train_blocks']} blocks of {a['seq_len']} tokens of stdlib source for {a['epochs']} epochs, batch "
+        f"{a['batch_size']} in {a['micro_batches']} micro-batches, AdamW lr {a['lr']}, `simulate` (one process) at "
+        f"the default split; eval: {meta['eval_blocks']} held-out blocks (plain eval loss of the model before "
+        f"fine-tuning {meta['eval_loss_before']:.4f}). Per seed the same batches in the same order for every setting; "
+        "median [min-max] over seeds; gap: against `none` of the same seed and stage count. 'inference form': the "
+        "eval loss through the plan's default inference form (`compressed_inference`, `inference=\"auto\"`). "
+        f"{meta['machine']}.",
+        "",
+        "| stages | setting | fw | bw | seeds | eval loss | gap vs none | through the inference form | MB/step "
+        "| vs fp32 | s/run |",
+        "|---:|---|---|---|---|---|---|---|---:|---:|---:|",
+    ]
+    for s in summary:
+        gap = "-" if s["setting"] == "none" or s["gap"] is None else \
+            f"{s['gap']:+.2f}% [{s['gap_min']:+.2f}, {s['gap_max']:+.2f}]"
+        form = "-" if s["gap_inference_form"] is None else f"{s['gap_inference_form']:+.2f}%"
+        lines.append(f"| {s['stages']} | {s['setting']} | {s['forward']} | {s['backward']} | {len(s['seeds'])} | "
+                     f"{s['eval_loss']:.4f} [{s['eval_loss_min']:.4f}-{s['eval_loss_max']:.4f}] | {gap} | {form} | "
+                     f"{s['bytes_per_step'] / 1e6:.3f} | {s['compression_ratio']:.1f}x | {s['seconds']:.0f} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--settings", nargs="+", default=None, help="labels (default: all)")
+    p.add_argument("--train_blocks", type=int, default=24)
+    p.add_argument("--eval_blocks", type=int, default=8)
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch_size", type=int, default=4)
+    p.add_argument("--micro_batches", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-5)
+    p.add_argument("--merge", action="store_true", help="add to the saved rows (same data settings)")
+    p.add_argument("--name", default="real_model_finetune")
+    args = p.parse_args(argv)
+    names = args.settings or list(settings())
+    unknown = sorted(set(names) - set(settings()))
+    if unknown:
+        p.error(f"--settings {unknown}: allowed {list(settings())}")
+    if "none" not in names and not args.merge:
+        p.error("--settings must include 'none' (every gap is against it), or add to a saved run with --merge")
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    model, tokenizer = smollm2.load()
+    data = smollm2.stdlib_blocks(tokenizer, args.seq_len, args.train_blocks, args.eval_blocks)
+    before = eval_loss(model, DataLoader(data[1], batch_size=8, collate_fn=default_data_collator))
+    del model
+    import platform
+    meta = {"args": vars(args), "train_blocks": len(data[0]), "eval_blocks": len(data[1]), "eval_loss_before": before,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"}
+    rows: list[dict] = []
+    path = os.path.join(RESULTS, f"{args.name}.json")
+    if args.merge and os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        keep = ("train_blocks", "eval_blocks", "seq_len", "epochs", "batch_size", "micro_batches", "lr")
+        if any(saved["meta"]["args"][k] != vars(args)[k] for k in keep):
+            raise SystemExit(f"--merge needs the saved settings {({k: saved['meta']['args'][k] for k in keep})}")
+        rows = saved["rows"]
+    for stages in args.stages:
+        for seed in args.seeds:
+            for name in names:
+                rows = [r for r in rows if (r["stages"], r["seed"], r["setting"]) != (stages, seed, name)]
+                rows.append(finetune(name, stages, seed, data, args))
+                write(rows, meta, args.name)
+
+
+if __name__ == "__main__":
+    main()
