@@ -72,12 +72,15 @@ def smollm2_dir(cache: str = CACHE) -> str:
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
     os.makedirs(cache, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{NAME}-", dir=cache)
-    model.save_pretrained(staging, safe_serialization=True)
-    tokenizer.save_pretrained(staging)
-    with open(os.path.join(staging, DONE), "w") as f:
-        f.write(f"{PACKAGE} {GGUF_FILE}\n")
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(staging, target)
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        with open(os.path.join(staging, DONE), "w") as f:
+            f.write(f"{PACKAGE} {GGUF_FILE}\n")
+        shutil.rmtree(target, ignore_errors=True)  # an interrupted conversion's leftovers
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already when the rename happened
     return target
 
 
