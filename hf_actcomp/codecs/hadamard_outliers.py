@@ -21,6 +21,7 @@ follows from the shape alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 
@@ -34,6 +35,7 @@ DEFAULT_OUTLIERS = 4
 _SCALE_ROUND_UP = 1 + 2**-7  # a bf16 scale rounded to nearest from s * this is never below s
 
 
+@lru_cache(maxsize=64)  # asked for at every encode, decode and size of a message
 def tile_size(hidden: int, group_size: int) -> int:
     """The largest divisor of `hidden` not above `group_size`: a tile never straddles two tokens."""
     return max(d for d in range(1, min(hidden, group_size) + 1) if hidden % d == 0)
