@@ -103,19 +103,26 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
-def write(rows: list[dict], meta: dict, name: str) -> None:
+def describe(meta: dict) -> str:
+    """The continued-training run's settings, for the results file's opening paragraph."""
+    a = meta["args"]
+    return (f"`benchmarks/real_model_finetune.py`: SmolLM2-135M-Instruct (fp32, from its Q4_1 GGUF) continued on "
+            f"{meta['train_blocks']} blocks of {a['seq_len']} tokens of stdlib source for {a['epochs']} epochs, batch "
+            f"{a['batch_size']} in {a['micro_batches']} micro-batches, AdamW lr {a['lr']}, `simulate` (one process) "
+            f"at the default split; eval: {meta['eval_blocks']} held-out blocks (plain eval loss of the model before "
+            f"fine-tuning {meta['eval_loss_before']:.4f}).")
+
+
+def write(rows: list[dict], meta: dict, name: str, title: str = "Fine-tuning SmolLM2-135M through compressed "
+          "boundaries", description: str | None = None) -> None:
+    """`results/{name}.json` (rows and their summary) and `.md` (the summary as a table)."""
     summary = summarise(rows)
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "summary": summary, "rows": rows}, f, indent=1)
-    a = meta["args"]
     lines = [
-        "# Fine-tuning SmolLM2-135M through compressed boundaries",
+        f"# {title}",
         "",
-        f"`benchmarks/real_model_finetune.py`: SmolLM2-135M-Instruct (fp32, from its Q4_1 GGUF) continued on "
-        f"{meta['train_blocks']} blocks of {a['seq_len']} tokens of stdlib source for {a['epochs']} epochs, batch "
-        f"{a['batch_size']} in {a['micro_batches']} micro-batches, AdamW lr {a['lr']}, `simulate` (one process) at "
-        f"the default split; eval: {meta['eval_blocks']} held-out blocks (plain eval loss of the model before "
-        f"fine-tuning {meta['eval_loss_before']:.4f}). Per seed the same batches in the same order for every setting; "
+        f"{description or describe(meta)} Per seed the same batches in the same order for every setting; "
         "median [min-max] over seeds; gap: against `none` of the same seed and stage count. 'inference form': the "
         "eval loss through the plan's default inference form (`compressed_inference`, `inference=\"auto\"`). "
         f"{meta['machine']}.",
@@ -139,48 +146,67 @@ def write(rows: list[dict], meta: dict, name: str) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--settings", nargs="+", default=None, help="labels (default: all)")
     p.add_argument("--train_blocks", type=int, default=24)
     p.add_argument("--eval_blocks", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--epochs", type=int, default=3)
+    add_grid_arguments(p, "real_model_finetune", epochs=3, settings="all")
+    args = p.parse_args(argv)
+    model, tokenizer = smollm2.load()
+    data = smollm2.stdlib_blocks(tokenizer, args.seq_len, args.train_blocks, args.eval_blocks)
+    del model
+    keep = ("train_blocks", "eval_blocks", "seq_len", "epochs", "batch_size", "micro_batches", "lr")
+
+    def before() -> float:
+        model = smollm2.load()[0]
+        return eval_loss(model, DataLoader(data[1], batch_size=8, collate_fn=default_data_collator))
+
+    run_grid(p, args, args.settings or list(settings()), settings(), keep,
+             {"train_blocks": len(data[0]), "eval_blocks": len(data[1])}, before,
+             lambda name, stages, seed: finetune(name, stages, seed, data, args),
+             lambda rows, meta: write(rows, meta, args.name))
+
+
+def add_grid_arguments(p: argparse.ArgumentParser, name: str, epochs: int, settings: str) -> None:
+    """The options every real-model quality benchmark takes: the grid, the optimizer, the file."""
+    p.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--settings", nargs="+", default=None, help=f"labels (default: {settings})")
+    p.add_argument("--epochs", type=int, default=epochs)
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--micro_batches", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--merge", action="store_true", help="add to the saved rows (same data settings)")
-    p.add_argument("--name", default="real_model_finetune")
-    args = p.parse_args(argv)
-    names = args.settings or list(settings())
-    unknown = sorted(set(names) - set(settings()))
-    if unknown:
-        p.error(f"--settings {unknown}: allowed {list(settings())}")
-    if "none" not in names and not args.merge:
-        p.error("--settings must include 'none' (every gap is against it), or add to a saved run with --merge")
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    model, tokenizer = smollm2.load()
-    data = smollm2.stdlib_blocks(tokenizer, args.seq_len, args.train_blocks, args.eval_blocks)
-    before = eval_loss(model, DataLoader(data[1], batch_size=8, collate_fn=default_data_collator))
-    del model
+    p.add_argument("--name", default=name)
+
+
+def run_grid(parser, args, names: list[str], allowed, keep: tuple[str, ...], sizes: dict, before, run, write_rows) -> None:
+    """Every (stages, seed, setting) of `args`, each row written as it lands; with `--merge` the
+    saved rows of `results/{args.name}.json` stay unless re-run (refused when `keep`'s data
+    settings differ from the saved run's)."""
     import platform
-    meta = {"args": vars(args), "train_blocks": len(data[0]), "eval_blocks": len(data[1]), "eval_loss_before": before,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"}
+
+    unknown = sorted(set(names) - set(allowed))
+    if unknown:
+        parser.error(f"--settings {unknown}: allowed {list(allowed)}")
+    if "none" not in names and not args.merge:
+        parser.error("--settings must include 'none' (every gap is against it), or add to a saved run with --merge")
     rows: list[dict] = []
     path = os.path.join(RESULTS, f"{args.name}.json")
     if args.merge and os.path.exists(path):
         with open(path) as f:
             saved = json.load(f)
-        keep = ("train_blocks", "eval_blocks", "seq_len", "epochs", "batch_size", "micro_batches", "lr")
         if any(saved["meta"]["args"][k] != vars(args)[k] for k in keep):
             raise SystemExit(f"--merge needs the saved settings {({k: saved['meta']['args'][k] for k in keep})}")
         rows = saved["rows"]
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    meta = {"args": vars(args), **sizes, "eval_loss_before": before(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"}
     for stages in args.stages:
         for seed in args.seeds:
             for name in names:
                 rows = [r for r in rows if (r["stages"], r["seed"], r["setting"]) != (stages, seed, name)]
-                rows.append(finetune(name, stages, seed, data, args))
-                write(rows, meta, args.name)
+                rows.append(run(name, stages, seed))
+                write_rows(rows, meta)
 
 
 if __name__ == "__main__":

@@ -87,11 +87,18 @@ def smollm2_dir(cache: str = CACHE) -> str:
 def load(dtype=None):
     """The unsplit model (eval mode) and its tokenizer, from the cached directory."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     folder = smollm2_dir()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(folder)
+    return model, load_tokenizer()
+
+
+def load_tokenizer():
+    """The tokenizer (with SmolLM2's chat template), from the cached directory."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir())
 
 
 def stdlib_sources(max_files: int | None = None) -> list[str]:

@@ -52,6 +52,8 @@ class PadToLength:
     AQ-SGD keeps one activation per sample of a fixed shape, while Trainer's collators pad each
     batch to its own longest row. Right padding with `attention_mask=0` and `labels=-100` changes
     neither the loss nor any gradient of a causal model: no real token attends to a later one.
+    The rows' `sample_id`s (AQ-SGD's memory keys) are carried into the batch where the collator
+    builds its batch from known keys only (TRL's SFT collator does).
     """
 
     def __init__(self, collator: Callable, length: int, pad_token_id: int) -> None:
@@ -61,6 +63,8 @@ class PadToLength:
 
     def __call__(self, features: list) -> dict[str, torch.Tensor]:
         batch = self.collator(features)
+        if SAMPLE_ID not in batch and features and all(SAMPLE_ID in f for f in features):
+            batch[SAMPLE_ID] = torch.tensor([int(f[SAMPLE_ID]) for f in features], dtype=torch.long)
         extra = self.length - batch["input_ids"].shape[1]
         if extra < 0:
             raise ValueError(

@@ -128,6 +128,30 @@ def test_conversations_with_assistant_only_loss_and_lora(tmp_path):
         torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-5, msg=name)
 
 
+def test_aqsgd_with_prompt_completion_rows(tmp_path):
+    """AQ-SGD keys its memory by the rows' sample ids, which TRL's collator does not carry: each
+    training batch still has them, and the first epoch (every row's first visit, sent in full)
+    logs the losses of the plan without a codec."""
+    import hf_actcomp
+
+    tokenizer, offline_rows = _sft_pieces()
+    data = offline_rows("prompt_completion", 8)
+    losses = {}
+    for name, forward in (("none", Compression()), ("aqsgd", Compression("aqsgd", bits=2))):
+        model = debug_model("gpt2", seed=0, vocab_size=len(tokenizer))
+        trainer = hf_actcomp.ActCompSFTTrainer(
+            model=model, args=_config(tmp_path / name, max_steps=2, learning_rate=1e-4), train_dataset=data,
+            processing_class=tokenizer, plan=Plan(num_stages=2, micro_batches=2, forward=forward))
+        if name == "aqsgd":
+            batches = list(trainer.get_train_dataloader())
+            assert sorted(int(i) for b in batches for i in b["sample_id"]) == list(range(8))
+            assert {tuple(b["input_ids"].shape) for b in batches} == {(4, batches[0]["input_ids"].shape[1])}
+        trainer.train()
+        losses[name] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses["aqsgd"]) == 2
+    assert losses["aqsgd"] == pytest.approx(losses["none"], rel=1e-5)
+
+
 def test_refused_before_training(tmp_path):
     import hf_actcomp
 
