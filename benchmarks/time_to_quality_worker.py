@@ -40,12 +40,13 @@ from convergence import make_model
 from diloco_worker import interface_address
 from launch import busy_cpu_seconds, other_cpu_share, round_order
 from safetensors.torch import load_file, save_file
-from slow_link_worker import TIE, build_peer
+from slow_link_worker import build_peer
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 import hf_actcomp
 from hf_actcomp import Compression, MemoryConfig, Plan, dp
+from hf_actcomp.models import get_adapter
 
 PEER = "torch.distributed.pipelining"
 BASE = "ours, uncompressed"
@@ -67,12 +68,15 @@ METHODS: dict[str, tuple | None] = {
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q8": (warm(2), q(4), q(8)),
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4": (warm(2), q(4), q(4)),
     "ours, Hadamard fw4/bw8, tie q8": (h(4), h(8), q(8)),
+    # The stateless rung Plan.auto's ladders take on SmolLM2 (hf_actcomp/auto.py).
+    "ours, hadamard_outliers fw4/bw8, tie q8": (Compression("hadamard_outliers", bits=4), q(8), q(8)),
     # The same codecs under zero-bubble H1 instead of 1F1B (a name ending in ZBH1).
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" + (ZBH1 := ", zbh1"): (warm(2), q(4), q(4)),
     "ours, AQ-SGD fw4/bw8, warm-up h4, tie q8" + ZBH1: (warm(4), q(8), q(8)),
     AUTO: None,  # Plan.auto(quality="safe", aqsgd=True): chosen per boundary direction, and the tie's codec
 }
-SPLIT_POINTS = {2: [2], 3: [1, 3]}  # of the 4 blocks
+SPLIT_POINTS = {2: [2], 3: [1, 3]}  # of the toy model's 4 blocks
+REAL_SPLIT_POINTS = {2: [15], 3: [10, 20]}  # of SmolLM2-135M's 30 blocks (--model smollm2)
 # Pipeline x data parallel (--replicas 2): (boundary codecs as in METHODS or None, dp_compression).
 PEER_DP = "torch.distributed.pipelining + DDP"
 BASE_DP = "ours, uncompressed + all-reduce"
@@ -97,13 +101,36 @@ DP_METHODS: dict[str, tuple | None] = {
 UNCOMPRESSED = (PEER, BASE, PEER_DP, BASE_DP)
 
 
-def load_data(path: str) -> tuple[dict, dict, dict, int]:
-    """The parent's file: train and eval columns, the pre-trained weights, the vocabulary size."""
+def load_data(path: str) -> tuple[dict, dict, dict, int, str | None]:
+    """The parent's file: train and eval columns, the pre-trained weights (the toy model's), the
+    vocabulary size, and the directory of a real model to load instead (None for the toy)."""
     tensors = load_file(path)
     with open(path + ".json") as f:
-        vocab = json.load(f)["vocab"]
+        sizes = json.load(f)
     part = lambda prefix: {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}  # noqa: E731
-    return part("train."), part("eval."), part("weights."), vocab
+    return part("train."), part("eval."), part("weights."), sizes["vocab"], sizes.get("model_dir")
+
+
+def load_model(data, args) -> torch.nn.Module:
+    """The model every method starts from: the pre-trained toy model, or the real one from its folder."""
+    _, _, weights, vocab, model_dir = data
+    if model_dir is not None:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = make_model(vocab, args.seq_len, args.seed)
+    model.load_state_dict(weights, strict=False)  # lm_head.weight is the tied wte
+    return model
+
+
+def split_points(data, args) -> list[int]:
+    return (REAL_SPLIT_POINTS if data[4] is not None else SPLIT_POINTS)[args.stages]
+
+
+def tie_names(model) -> tuple[str, str]:
+    """(the head's name, the input embedding's name) of the tied weight."""
+    (tie,) = get_adapter(model).tied_weights()
+    return tie
 
 
 class Rows(torch.utils.data.Dataset):
@@ -124,12 +151,14 @@ class Evaluator:
     its stages 0 and 1 (with 3 stages too, so that the loss is summed exactly as with 2). Returns
     the worst replica's loss; `losses` keeps every replica's."""
 
-    def __init__(self, evaluation: dict, vocab: int, args) -> None:
+    def __init__(self, data, args) -> None:
         rank = dist.get_rank()
         self.stages, self.replicas = args.stages, args.replicas
         self.stage, self.replica = rank % args.stages, rank // args.stages
-        self.model = make_model(vocab, args.seq_len, seed=0).eval()
-        self.expected = set(self.model.state_dict()) - {TIE[1]}  # wte is lm_head.weight
+        self.model = load_model(data, args).eval()
+        self.tie = tie_names(self.model)
+        self.expected = set(self.model.state_dict()) - {self.tie[1]}  # the input embedding is the head's weight
+        evaluation = data[1]
         rows = {k: v[self.stage::2] if self.stage < 2 else v[:0] for k, v in evaluation.items()}
         self.loader = DataLoader(Rows(rows), batch_size=32, collate_fn=default_data_collator)
         self.scratch = args.scratch
@@ -143,7 +172,7 @@ class Evaluator:
         save_file({k: v.detach().clone().contiguous() for k, v in stage_state.items()}, path(self.stage))
         dist.barrier()
         *others, last = [load_file(path(s)) for s in range(self.stages)]
-        weights = {**{k: v for part in others for k, v in part.items() if k != TIE[1]}, **last}
+        weights = {**{k: v for part in others for k, v in part.items() if k != self.tie[1]}, **last}
         if set(weights) != self.expected:
             raise RuntimeError(f"the stages' weights do not make the model: {sorted(set(weights) ^ self.expected)}")
         self.model.load_state_dict(weights, strict=False)
@@ -191,9 +220,10 @@ def replica_rows(train: dict, args) -> Rows:
     return Rows({k: v[replica * n:(replica + 1) * n] for k, v in train.items()})
 
 
-def build_ours(name: str, train: dict, args):
+def build_ours(name: str, data, args):
     """`hf_actcomp.prepare` with the method's plan (METHODS, or DP_METHODS with --replicas 2)."""
-    common = dict(num_stages=args.stages, micro_batches=args.micro_batches, split_points=SPLIT_POINTS[args.stages],
+    train = data[0]
+    common = dict(num_stages=args.stages, micro_batches=args.micro_batches, split_points=split_points(data, args),
                   schedule="zbh1" if name.endswith(ZBH1) else "1f1b",
                   memory=MemoryConfig(num_samples=len(Rows(train)), store="host", dtype="fp16"))
     if name == AUTO:  # the tie's codec left unset: auto chooses it
@@ -242,19 +272,17 @@ def world_stats(pipe) -> dict:
 
 
 def run(name: str, data, args) -> dict:
-    train, evaluation, weights, vocab = data
-    model = make_model(vocab, args.seq_len, args.seed)
-    model.load_state_dict(weights, strict=False)  # lm_head.weight is the tied wte
-    rows = replica_rows(train, args)
+    model = load_model(data, args)
+    rows = replica_rows(data[0], args)
     batch_rows = args.batch_size // args.replicas
     pipe = None
     if name in (PEER, PEER_DP):
         groups = replica_groups(args) if args.replicas > 1 else (None, None)
         module, peer_step, _ = build_peer(model, args.micro_batches, tied=True, pipe_group=groups[0],
-                                          dp_group=groups[1])
+                                          dp_group=groups[1], tie=tie_names(model), split=split_points(data, args))
         params, state = module.parameters(), module.state_dict
     else:
-        pipe = hf_actcomp.prepare(model, build_ours(name, train, args), timeout=600, track_error=False)
+        pipe = hf_actcomp.prepare(model, build_ours(name, data, args), timeout=600, track_error=False)
         params, state = pipe.parameters(), pipe.stage.state_dict
     torch.manual_seed(args.seed)
     optimizer = torch.optim.AdamW(params, lr=args.lr)
@@ -263,10 +291,13 @@ def run(name: str, data, args) -> dict:
     seed = args.seed + 1000 * (dist.get_rank() // args.stages)  # each replica its own order
     loader = DataLoader(rows, batch_size=batch_rows, shuffle=True, drop_last=True,
                         collate_fn=default_data_collator, generator=torch.Generator().manual_seed(seed))
-    evaluate = Evaluator(evaluation, vocab, args)
+    evaluate = Evaluator(data, args)
     curve = [dict(seconds=0.0, step=0, eval_loss=evaluate(state()), losses=evaluate.losses)]
     clock, step = Clock(), 0
     epochs = args.epochs if name in UNCOMPRESSED else args.max_epochs
+    # The peer's steps cut short (--peer_steps): on a real tied model its all-reduce of the whole
+    # embedding's gradient takes minutes a step on a slow link; it computes what ours uncompressed does.
+    last_step = args.peer_steps if name in (PEER, PEER_DP) and args.peer_steps else None
     after_first_epoch = None
     stop = args.stop_below if name not in UNCOMPRESSED else None
     clock.start()
@@ -285,13 +316,17 @@ def run(name: str, data, args) -> dict:
             optimizer.step()
             optimizer.zero_grad()
             step += 1
-            if step % args.eval_every == 0 or step == epochs * len(loader):
+            if step % args.eval_every == 0 or step in (epochs * len(loader), last_step):
                 clock.stop()
                 curve.append(dict(seconds=clock.seconds, step=step, eval_loss=evaluate(state()),
                                   losses=evaluate.losses))
                 clock.start()
                 if stop is not None and curve[-1]["eval_loss"] <= stop:
                     break
+            if step == last_step:
+                break
+        if step == last_step:
+            break
     clock.stop()
     if pipe is None:
         categories = peer_bytes(module, model, batch_rows, args)
@@ -307,7 +342,7 @@ def run(name: str, data, args) -> dict:
         if pipe.outer is not None:
             traffic["outer_sync_seconds"] = max(t.get("seconds_outer_sync", 0.0) for t in stats["stages"].values())
             pipe.outer.close()
-    return dict(method=name, steps=step, epochs=epochs, train_seconds=clock.seconds, curve=curve,
+    return dict(method=name, steps=step, epochs=epochs, train_seconds=clock.seconds, curve=curve, cut_at_step=last_step,
                 stopped_at_target=stop is not None and curve[-1]["eval_loss"] <= stop,
                 final_eval_loss=curve[-1]["eval_loss"], replicas=args.replicas,
                 other_cpu_share=clock.other_cpu_share(), **traffic)
@@ -378,6 +413,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--stages", type=int, default=2, choices=sorted(SPLIT_POINTS))
+    p.add_argument("--peer_steps", type=int, default=None, help="the peer stops after this many steps")
     p.add_argument("--stop_below", type=float, default=None,
                    help="compressed methods stop at the first evaluation at or below this loss")
     args = p.parse_args()
