@@ -45,8 +45,8 @@ REAL_TTQ = --model smollm2 --rate 5 --train_samples 64 --eval_samples 8 --stdlib
 	--name time_to_quality_smollm2_5mbit --methods "torch.distributed.pipelining" "ours, uncompressed" \
 	"ours, AQ-SGD fw4/bw8, warm-up h4, tie q8" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" \
 	"ours, hadamard_outliers fw4/bw8, tie q8" "ours, auto"
-bench-real-model-time-to-quality: setup  # SmolLM2-135M at 5 Mbit/s against torch pipelining (needs root; ~50 min)
-	sudo OMP_NUM_THREADS=1 $(PY) benchmarks/time_to_quality.py $(REAL_TTQ)
+bench-real-model-time-to-quality: setup  # SmolLM2-135M at 5 Mbit/s against torch pipelining (as root: namespaces and tc; ~50 min)
+	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ)
 
 bench-convergence: setup
 	$(PY) benchmarks/convergence.py
