@@ -13,7 +13,9 @@ varies (it is TCP's recovery, also sampled with `ss -tin`):
       for 20 s, then back to 10 Mbit/s (tests/stall.py), with prepare(timeout=300).
 
   (d) as (a) then (b), with TCP's largest retransmission timeout capped at 1 s in both
-      namespaces (sysctl net.ipv4.tcp_rto_max_ms, Linux 6.15 or later; `--rto_max_ms 0` skips it):
+      namespaces (sysctl net.ipv4.tcp_rto_max_ms, Linux 6.15 or later; `--rto_max_ms 0` skips it)
+      and `--tcp_retries2` retransmissions before TCP gives up (15 by default, ~14 s at a 1 s cap:
+      shorter than the stall, and a re-run on 2026-11-27 lost a connection to it):
       packets held in the link's queue through the stall come out with round trips as long as
       the stall, and TCP's timeout grows with them, which is most of what a stall costs beyond
       its length.
@@ -125,7 +127,8 @@ def launch(args, out: str, runs: list[str], timeout: float,
     busy, own = busy_cpu_seconds()[0], resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
     marker = os.path.join(out, "stall.marker")
-    with linked_namespaces(args.mbit, rto_max_ms=rto_max_ms) as ends, \
+    retries = args.tcp_retries2 if rto_max_ms is not None else None
+    with linked_namespaces(args.mbit, rto_max_ms=rto_max_ms, tcp_retries2=retries) as ends, \
             stall_on_marker(ends, marker, args.stall, args.mbit) as stall, sample_tcp(ends, marker, stall) as samples:
         workers = run_workers(WORKER, 2, worker_args, timeout=args.deadline, check="plain" in runs, namespaces=ends)
     wall = time.monotonic() - start
@@ -199,7 +202,8 @@ def write(result: dict, args) -> None:
         f"used at most {100 * result['other_cpu_share']:.0f}% of the CPUs meanwhile.",
         "",
         f"{args.repeats} rounds of (a) then (b) in the same processes, each round in new processes on a new link"
-        + (f"; as many of (a) then (d), with net.ipv4.tcp_rto_max_ms={args.rto_max_ms} in both namespaces. "
+        + (f"; as many of (a) then (d), with net.ipv4.tcp_rto_max_ms={args.rto_max_ms} and tcp_retries2="
+           f"{getattr(args, 'tcp_retries2', 15)} in both namespaces. "
            if args.rto_max_ms else ". ") +
         "Rank 0's view (rank 1's is in link_stall.json). Steps during the stall: those that overlap it (from 0); "
         "the spanning step started before the stall and ended after it, so it took at least the stall. Weights: "
@@ -267,6 +271,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="rounds of (a) and (b) (and (d)), each in new processes")
     p.add_argument("--rto_max_ms", type=int, default=1000,
                    help="(d): the rounds again with net.ipv4.tcp_rto_max_ms set in both namespaces (0: none)")
+    p.add_argument("--tcp_retries2", type=int, default=60,
+                   help="net.ipv4.tcp_retries2 in both namespaces of (d), beside --rto_max_ms")
     p.add_argument("--deadline", type=float, default=900.0, help="seconds before the workers are killed")
     p.add_argument("--name", default="link_stall", help="results file name in benchmarks/results/")
     args = p.parse_args(argv)

@@ -46,7 +46,14 @@ def settings() -> dict[str, tuple[Compression, Compression]]:
         "quantize fw3/bw6": (q(3), q(6)),
         "hadamard_outliers fw4/bw8": (Compression("hadamard_outliers", bits=4), q(8)),
         "hadamard_outliers fw3/bw6": (Compression("hadamard_outliers", bits=3), q(6)),
+        # AQ-SGD whose deltas go through hadamard_outliers (quantize's groups break on massive values).
+        "aqsgd-h_o fw4/bw8 warm-up h_o4": (_aqsgd_outliers(4), q(8)),
+        "aqsgd-h_o fw2/bw4 warm-up h_o4": (_aqsgd_outliers(2), q(4)),
     }
+
+
+def _aqsgd_outliers(bits: int) -> Compression:
+    return Compression("aqsgd", inner="hadamard_outliers", bits=bits, first_visit=Compression("hadamard_outliers", bits=4))
 
 
 def finetune(name: str, stages: int, seed: int, data, args) -> dict:

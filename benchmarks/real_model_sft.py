@@ -40,12 +40,12 @@ import hf_actcomp  # noqa: E402
 from hf_actcomp import MemoryConfig, Plan  # noqa: E402
 
 QUESTION = "Write the first sentence of this Python function's docstring.\n\n```python\n{code}\n```"
-SETTINGS = ("none", "aqsgd fw4/bw8 warm-up h4", "aqsgd fw2/bw4 warm-up h4", "hadamard_outliers fw4/bw8",
-            "hadamard_outliers fw3/bw6")
+SETTINGS = ("none", "aqsgd fw4/bw8 warm-up h4", "aqsgd-h_o fw4/bw8 warm-up h_o4", "aqsgd-h_o fw2/bw4 warm-up h_o4",
+            "hadamard_outliers fw4/bw8", "hadamard_outliers fw3/bw6")
 
 
-def docstring_pairs(sources: list[str], max_code_lines: int = 12) -> list[tuple[str, str]]:
-    """(function source without its docstring, first 12 lines; the docstring's first sentence) for
+def docstring_pairs(sources: list[str], max_code_lines: int = 8) -> list[tuple[str, str]]:
+    """(function source without its docstring, first 8 lines; the docstring's first sentence) for
     every function in `sources` whose docstring opens with a sentence of 20-200 characters."""
     pairs = []
     for text in sources:
@@ -147,7 +147,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train_rows", type=int, default=48)
     p.add_argument("--eval_rows", type=int, default=16)
-    p.add_argument("--max_length", type=int, default=256)
+    p.add_argument("--max_length", type=int, default=160)
     finetune.add_grid_arguments(p, "real_model_sft", epochs=2, settings=str(list(SETTINGS)))
     args = p.parse_args(argv)
     names = args.settings or list(SETTINGS)

@@ -106,12 +106,15 @@ def shape(ns: str, dev: str, rate: str, burst: str, latency: str = "100ms") -> N
 
 @contextlib.contextmanager
 def linked_namespaces(mbit: float, burst: str = "16kb",
-                      rto_max_ms: int | None = None) -> Iterator[list[tuple[str, str, str]]]:
+                      rto_max_ms: int | None = None,
+                      tcp_retries2: int | None = None) -> Iterator[list[tuple[str, str, str]]]:
     """Two network namespaces made for this test, joined by a veth pair whose ends are each
     shaped to `mbit` Mbit/s (tc tbf): yields [(namespace, address, interface)] for ranks 0 and 1,
     and removes both namespaces afterwards. Skips, saying why, where namespaces cannot be made
     (not root, or no iproute2). `rto_max_ms`: TCP's largest retransmission timeout in both
-    namespaces (net.ipv4.tcp_rto_max_ms, Linux 6.15+; see RTO_MAX_SYSCTL)."""
+    namespaces (net.ipv4.tcp_rto_max_ms, Linux 6.15+; see RTO_MAX_SYSCTL). `tcp_retries2`: how
+    many retransmissions TCP makes before it closes a connection (default 15: with a 1 s cap on
+    the timeout that is ~14 s, shorter than a 20 s stall, so a lower cap needs more retries)."""
     import pytest
 
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
@@ -140,6 +143,8 @@ def linked_namespaces(mbit: float, burst: str = "16kb",
             shape(ns, dev, f"{mbit}mbit", burst)
             if rto_max_ms is not None:
                 sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"net.ipv4.tcp_rto_max_ms={rto_max_ms}")
+            if tcp_retries2 is not None:
+                sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"net.ipv4.tcp_retries2={tcp_retries2}")
         yield ends
     finally:
         for ns in made:

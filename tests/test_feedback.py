@@ -84,23 +84,23 @@ def test_ef21_sender_and_receiver_estimates_agree():
 
 
 def aqsgd_pair(first_visit="full", inner="quantize", num_samples=8, dtype="fp32"):
-    kwargs = dict(bits=4) if inner == "quantize" else dict(ratio=0.3)
+    kwargs = dict(ratio=0.3) if inner == "topk" else dict(bits=4)
     compression = Compression("aqsgd", inner=inner, first_visit=first_visit, **kwargs)
     memory = MemoryConfig(store="host", dtype=dtype, num_samples=num_samples)
     return pair(compression, memory)
 
 
-@pytest.mark.parametrize("inner", ["quantize", "topk"])
+@pytest.mark.parametrize("inner", ["quantize", "topk", "hadamard", "hadamard_outliers"])
 def test_aqsgd_memories_stay_identical_and_deltas_shrink(inner):
     sender, receiver = aqsgd_pair(inner=inner)
     assert isinstance(sender, AQSGDSender)
     torch.manual_seed(0)
-    data = torch.randn(8, 6, 16)
+    data = torch.randn(8, 6, 64)
     ids = torch.tensor([3, 0, 6])
     # First visit, policy "full": sent uncompressed, so the reconstruction is exact.
     payload = sender.encode(data[ids], sample_ids=ids)
-    assert payload.numel() == 3 * 6 * 16 * 4
-    out = receiver.decode(payload, (3, 6, 16), torch.float32, sample_ids=ids)
+    assert payload.numel() == 3 * 6 * 64 * 4
+    out = receiver.decode(payload, (3, 6, 64), torch.float32, sample_ids=ids)
     assert torch.equal(out, data[ids])
     # Later visits of slowly drifting activations: small payload, error shrinks with each visit.
     errors = []
@@ -108,11 +108,34 @@ def test_aqsgd_memories_stay_identical_and_deltas_shrink(inner):
         x = data[ids] + 0.01 * (step + 1)
         size = receiver.payload_nbytes(x.shape, x.dtype, ids)
         payload = sender.encode(x, sample_ids=ids)
-        assert payload.numel() == size < 3 * 6 * 16 * 4 / 2
+        assert payload.numel() == size < 3 * 6 * 64 * 4 / 2
         out = receiver.decode(payload, x.shape, x.dtype, sample_ids=ids)
         assert torch.equal(sender.mirror.memory.values, receiver.memory.values)
         errors.append(float((out - x).norm() / x.norm()))
     assert errors[-1] < 0.05
+
+
+def test_aqsgd_deltas_of_activations_with_a_massive_channel():
+    """Real LLMs put a massive value (~25,000 in SmolLM2) in one channel of a few tokens. Its
+    delta sets the scale of its quantization group, so quantize's levels, none of them zero,
+    swamp the small deltas beside it; `hadamard_outliers` sends that channel apart."""
+    torch.manual_seed(0)
+    base = torch.randn(2, 16, 576)
+    base[:, [0, 7], 507] = 25000.0
+    mask = torch.ones(576, dtype=torch.bool)
+    mask[507] = False
+    errors = {}
+    for inner in ("quantize", "hadamard_outliers"):
+        sender, receiver = aqsgd_pair(inner=inner, num_samples=2)
+        ids = torch.arange(2)
+        worst = 0.0
+        for step in range(4):  # the first visit exact, then three deltas
+            x = base * (1 + 1e-3 * step) + 0.01 * step * torch.randn(2, 16, 576)
+            out = receiver.decode(sender.encode(x, sample_ids=ids), x.shape, x.dtype, sample_ids=ids)
+            worst = max(worst, float((out - x)[..., mask].norm() / x[..., mask].norm()))
+        errors[inner] = worst
+    assert errors["quantize"] > 0.1
+    assert errors["hadamard_outliers"] < 0.01
 
 
 def test_aqsgd_mixed_batch_of_new_and_seen_samples():

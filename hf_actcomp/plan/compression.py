@@ -19,7 +19,7 @@ from .config import _check_choice, _known_fields
 # (`first_visit`) or the tied-embedding rows (`Plan.tie_compression`).
 AQSGD = "aqsgd"
 FEEDBACK_KINDS = ("none", "ef", "ef21")
-AQSGD_INNER = ("quantize", "topk")
+AQSGD_INNER = ("quantize", "topk", "hadamard", "hadamard_outliers")
 FIRST_VISIT = ("full", "direct")
 # What a direction sends at inference (hf_actcomp/plan/inference_form.py resolves them).
 INFERENCE_CHOICES = ("auto", "direct", "none")
