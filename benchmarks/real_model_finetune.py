@@ -40,6 +40,8 @@ def settings() -> dict[str, tuple[Compression, Compression]]:
     q = lambda bits: Compression("quantize", bits=bits)  # noqa: E731
     return {
         "none": (Compression(), Compression()),
+        # The noise floor: a rounding-sized perturbation of every boundary, nothing more.
+        "bf16 fw/bw (noise floor)": (Compression("bf16"), Compression("bf16")),
         "aqsgd fw2/bw4 warm-up h4": (Compression("aqsgd", bits=2, first_visit=WARM_UP), q(4)),
         "aqsgd fw4/bw8 warm-up h4": (Compression("aqsgd", bits=4, first_visit=WARM_UP), q(8)),
         "hadamard fw4/bw8": (Compression("hadamard", bits=4), Compression("hadamard", bits=8)),

@@ -165,7 +165,7 @@ def main(argv=None) -> None:
                        for b in trainer.get_eval_dataloader()]
         return eval_loss(model, DataLoader(batches, batch_size=None))
 
-    finetune.run_grid(p, args, names, SETTINGS, keep, {"train_rows": len(data[0]), "eval_rows": len(data[1])},
+    finetune.run_grid(p, args, names, finetune.settings(), keep, {"train_rows": len(data[0]), "eval_rows": len(data[1])},
                       before, lambda name, stages, seed: run(name, stages, seed, data, args),
                       lambda rows, meta: finetune.write(rows, meta, args.name, "Instruction tuning SmolLM2-135M "
                                                         "through compressed boundaries", describe(meta)))

@@ -67,7 +67,10 @@ class Compression:
         rounding: `deterministic` or `stochastic` (unbiased) rounding for quantization.
         value_dtype: dtype of the values a sparsifier sends (`topk_quantize`: of its chunk scales).
         feedback: `none`, `ef` (error feedback) or `ef21`; not combinable with `aqsgd`.
-        inner: the codec AQ-SGD applies to deltas: `quantize` or `topk`.
+        inner: the codec AQ-SGD applies to deltas: `quantize` (the AQ-SGD paper's), `topk`,
+            `hadamard` or `hadamard_outliers`. On a real LLM's activations (a massive channel on
+            the sink and delimiter tokens) use `hadamard_outliers`: quantize's group scale follows
+            that channel's delta and its levels swamp the rest (docs/real_model.md).
         first_visit: what AQ-SGD sends the first time a sample is seen: `full` (uncompressed, as
             the reference code's warm-up epoch), `direct` (the inner codec on the activation), or a
             stateless `Compression` (a compressed warm-up, e.g. `Compression("hadamard", bits=4)`:

@@ -48,16 +48,21 @@ def parameters(pipe) -> list[torch.Tensor]:
     return [p.detach().clone() for p in pipe.stage.parameters()]
 
 
+# Wide enough that AQ-SGD's 2-bit hadamard_outliers deltas are smaller than its 4-bit quantize ones
+# (their per-token overhead outweighs 2 bits below ~128 channels).
+WIDE = 256
+
+
 def adapt(out_dir: str) -> dict:
     rank = dist.get_rank()
     os.environ[FAKE_LINKS_ENV] = json.dumps({"compute_ms": 10, "0": link(10_000)})
-    plain = hf_actcomp.prepare(debug_model("gpt2", seed=0), Plan(num_stages=2, micro_batches=2), timeout=60)
+    plain = hf_actcomp.prepare(debug_model("gpt2", seed=0, n_embd=WIDE), Plan(num_stages=2, micro_batches=2), timeout=60)
     plain_losses = sgd_losses(plain, lambda batch: plain.train_step(batch).loss, 2)
     plain_weights = parameters(plain)
 
     plan = Plan.auto(num_stages=2, micro_batches=2, aqsgd=True, adapt_every=2, quality="fast", tolerance=0.5,
                      memory=MemoryConfig(num_samples=NUM_SAMPLES, dtype="fp32"))
-    pipe = hf_actcomp.prepare(debug_model("gpt2", seed=0), plan, timeout=60)
+    pipe = hf_actcomp.prepare(debug_model("gpt2", seed=0, n_embd=WIDE), plan, timeout=60)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
     losses, seen, equal_after_two = [], [], None
     slower = {2: 5.0, 4: 0.5}  # Mbit/s from the step with this index on
@@ -79,7 +84,7 @@ def adapt(out_dir: str) -> dict:
     memory = end.receiver.memory if end.receiver is not None else end.sender.mirror.memory
     checksum = float(memory.read(torch.arange(NUM_SAMPLES), torch.device("cpu"), torch.float64).sum())
     dist.barrier()
-    fresh = hf_actcomp.prepare(debug_model("gpt2", seed=0), plan, timeout=60)
+    fresh = hf_actcomp.prepare(debug_model("gpt2", seed=0, n_embd=WIDE), plan, timeout=60)
     fresh.load_compression_state(state)
     fresh_end = fresh.forward_out or fresh.forward_in
     fresh_memory = fresh_end.receiver.memory if fresh_end.receiver is not None else fresh_end.sender.mirror.memory
