@@ -54,6 +54,8 @@ AUTO = "ours, auto"
 q = lambda b: Compression("quantize", bits=b)  # noqa: E731
 h = lambda b: Compression("hadamard", bits=b)  # noqa: E731
 warm = lambda b: Compression("aqsgd", bits=b, first_visit=h(4))  # noqa: E731
+aq_outliers = lambda b: Compression("aqsgd", inner="hadamard_outliers", bits=b,  # noqa: E731
+                                    first_visit=Compression("hadamard_outliers", bits=4))
 # (forward, backward[, tie_compression]) per method; the tie is exact where not given.
 METHODS: dict[str, tuple | None] = {
     PEER: None,
@@ -71,9 +73,8 @@ METHODS: dict[str, tuple | None] = {
     # The stateless rung Plan.auto's ladders take on SmolLM2 (hf_actcomp/auto.py).
     "ours, hadamard_outliers fw4/bw8, tie q8": (Compression("hadamard_outliers", bits=4), q(8), q(8)),
     # AQ-SGD with its deltas (and warm-up) through hadamard_outliers: what a real model's massive values need.
-    "ours, AQ-SGD(h_o) fw4/bw8, warm-up h_o4, tie q8": (
-        Compression("aqsgd", inner="hadamard_outliers", bits=4, first_visit=Compression("hadamard_outliers", bits=4)),
-        q(8), q(8)),
+    "ours, AQ-SGD(h_o) fw4/bw8, warm-up h_o4, tie q8": (aq_outliers(4), q(8), q(8)),
+    "ours, AQ-SGD(h_o) fw2/bw4, warm-up h_o4, tie q8": (aq_outliers(2), q(4), q(8)),
     # The same codecs under zero-bubble H1 instead of 1F1B (a name ending in ZBH1).
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" + (ZBH1 := ", zbh1"): (warm(2), q(4), q(4)),
     "ours, AQ-SGD fw4/bw8, warm-up h4, tie q8" + ZBH1: (warm(4), q(8), q(8)),
