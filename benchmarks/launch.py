@@ -82,3 +82,12 @@ def ratio_spread(numerator: list[float], denominator: list[float]) -> tuple[floa
     numerator over the largest denominator, and the reverse."""
     return (median(numerator) / median(denominator), min(numerator) / max(denominator),
             max(numerator) / min(denominator))
+
+
+def write_markdown(results_dir: str, name: str, lines: list[str]) -> None:
+    """`{results_dir}/{name}.md` from `lines`, and the same text on stdout."""
+    text = "\n".join(lines) + "\n"
+    os.makedirs(results_dir, exist_ok=True)
+    with open(os.path.join(results_dir, f"{name}.md"), "w") as f:
+        f.write(text)
+    print(text)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import smollm2  # noqa: E402
+from launch import write_markdown  # noqa: E402
 
 from hf_actcomp import Compression, Plan  # noqa: E402
 from hf_actcomp.feedback import build_inference_codec  # noqa: E402
@@ -225,10 +226,7 @@ def write(args, base: float, stats: list[dict], costs: list[dict], places: list[
                      f"{a['top_channels']} | {a['token_ratio']:.1f} | {a['token_position']} | {a['kurtosis']:.0f} | "
                      f"{g['channel_ratio']:.0f} | {g['top_channels']} | {g['token_ratio']:.1f} | {g['token_position']} | "
                      f"{g['kurtosis']:.0f} |")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_markdown(RESULTS, args.name, lines)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, default_data_collator
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import smollm2  # noqa: E402
 from convergence import eval_loss, train_epochs  # noqa: E402  (token-weighted eval, the epochs loop)
+from launch import write_markdown  # noqa: E402
 
 import hf_actcomp  # noqa: E402
 from hf_actcomp import Compression, MemoryConfig, Plan  # noqa: E402
@@ -147,10 +148,7 @@ def write(rows: list[dict], meta: dict, name: str, title: str = "Fine-tuning Smo
         lines.append(f"| {s['stages']} | {s['setting']} | {s['forward']} | {s['backward']} | {len(s['seeds'])} | "
                      f"{s['eval_loss']:.4f} [{s['eval_loss_min']:.4f}-{s['eval_loss_max']:.4f}] | {gap} | {form} | "
                      f"{s['bytes_per_step'] / 1e6:.3f} | {s['compression_ratio']:.1f}x | {s['seconds']:.0f} |")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_markdown(RESULTS, name, lines)
 
 
 def main(argv=None) -> None:

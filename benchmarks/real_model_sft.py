@@ -96,6 +96,12 @@ def sft_config(output_dir: str, seed: int, args):
                      logging_steps=1, report_to=[], use_cpu=True, bf16=False, disable_tqdm=True)
 
 
+def eval_batches(trainer) -> list[dict]:
+    """The held-out completion-only batches, as the trainer's collator makes them."""
+    return [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask", "labels")}
+            for b in trainer.get_eval_dataloader()]
+
+
 def run(name: str, stages: int, seed: int, data, args) -> dict:
     """One fine-tune: train with `ActCompSFTTrainer`, then the held-out eval losses."""
     train, held_out = data
@@ -113,9 +119,7 @@ def run(name: str, stages: int, seed: int, data, args) -> dict:
         seconds = time.perf_counter() - start
         curve = [log["loss"] for log in trainer.state.log_history if "loss" in log]
         comm = trainer.communication_logs()
-        # The held-out completion-only batches, as the trainer's collator makes them.
-        evaluation = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask", "labels")}
-                      for b in trainer.get_eval_dataloader()]
+        evaluation = eval_batches(trainer)
     model.eval()
     plain = eval_loss(model, DataLoader(evaluation, batch_size=None))
     with hf_actcomp.compressed_inference(model, plan) as inf:
@@ -161,8 +165,7 @@ def main(argv=None) -> None:
             trainer = hf_actcomp.ActCompSFTTrainer(model=model, args=sft_config(out, 0, args), train_dataset=data[0],
                                                    eval_dataset=data[1], processing_class=tokenizer,
                                                    plan=Plan(num_stages=2))
-            batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask", "labels")}
-                       for b in trainer.get_eval_dataloader()]
+            batches = eval_batches(trainer)
         return eval_loss(model, DataLoader(batches, batch_size=None))
 
     finetune.run_grid(p, args, names, finetune.settings(), keep, {"train_rows": len(data[0]), "eval_rows": len(data[1])},
