@@ -83,8 +83,8 @@ bench-time-to-quality-20-100mbit: setup
 		"ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, Hadamard fw4/bw8, tie q8"
 
 bench-time-to-quality-2x2: setup
-	$(PY) benchmarks/time_to_quality.py --replicas 2 --rate 10 --name time_to_quality_2x2_10mbit
-	$(PY) benchmarks/time_to_quality.py --replicas 2 --rate 100 --name time_to_quality_2x2_100mbit
+	$(PY) benchmarks/time_to_quality.py --replicas 2 --rate 10 --name time_to_quality_2x2_10mbit_rerun
+	$(PY) benchmarks/time_to_quality.py --replicas 2 --rate 100 --name time_to_quality_2x2_100mbit_rerun
 
 # docs/pipeline.md's schedule figures: 2 and 4 stages (about 7 minutes), then zbh1 against 1F1B to quality at
 # 10 Mbit/s, the target measured in the same run (about 40 minutes); root for the namespaces and `tc`

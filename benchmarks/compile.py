@@ -34,7 +34,14 @@ import time
 
 import torch
 import yaml
-from launch import busy_cpu_seconds, median, wait_until_quiet
+from harness import (
+    add_arguments,
+    busy_cpu_seconds,
+    loadavg,
+    median,
+    wait_until_quiet,
+    write_markdown,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -54,21 +61,17 @@ VARIANTS = ("eager", "compiled")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
+    add_arguments(p, rounds=3, steps=(16, "training steps per run"),
+                  warmup=(4, "steps left out of the steady state"), seq_len=128,
+                  quiet_wait=(30.0, "the longest such wait, seconds"), timeout=(600.0, "seconds per run"),
+                  quiet=(0.5, "before each run, wait until the machine's CPUs were at most this busy over 3 s (0: never)"),
+                  rewrite=(False, "rewrite the .md from the saved .json, running nothing"))
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    p.add_argument("--steps", type=int, default=16, help="training steps per run")
-    p.add_argument("--warmup", type=int, default=4, help="steps left out of the steady state")
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--backend", default="inductor")
     p.add_argument("--mode", default=None, help="torch.compile's mode (default: its default)")
-    p.add_argument("--quiet", type=float, default=0.5,
-                   help="before each run, wait until the machine's CPUs were at most this busy over 3 s (0: never)")
-    p.add_argument("--quiet_wait", type=float, default=30.0, help="the longest such wait, seconds")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--name", default="compile")
-    p.add_argument("--rewrite", action="store_true", help="rewrite the .md from the saved .json, running nothing")
     return p.parse_args(argv)
 
 
@@ -191,15 +194,8 @@ def write(results: dict, meta: dict, name: str) -> list[str]:
               f"{100 * max(s['other_cpu_share'][2] for s in results.values()):.0f}% of the {meta['cpus']} CPUs "
               f"during the runs (the machine's busy CPU time minus ours). Wall time of the benchmark: "
               f"{meta['wall_seconds'] / 60:.1f} min."]
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_markdown(RESULTS, name, lines)
     return lines
-
-
-def loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
 
 
 def _plan_text(plan: dict) -> str:
@@ -213,7 +209,7 @@ def main(argv=None) -> None:
     if args.rewrite:
         with open(os.path.join(RESULTS, f"{args.name}.json")) as f:
             saved = json.load(f)
-        print("\n".join(write(summarize(saved["rows"], saved["meta"]["args"]["warmup"]), saved["meta"], args.name)))
+        write(summarize(saved["rows"], saved["meta"]["args"]["warmup"]), saved["meta"], args.name)
         return
     with open(PLAN, encoding="utf-8") as f:
         plan = yaml.safe_load(f)
@@ -243,7 +239,7 @@ def main(argv=None) -> None:
     results = summarize(rows, args.warmup)
     with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "summaries": results}, f)
-    print("\n".join(write(results, meta, args.name)))
+    write(results, meta, args.name)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import platform
 import time
 
 import torch
+from harness import add_arguments, write_markdown
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, GPT2Config, default_data_collator
 
@@ -155,9 +156,7 @@ def write_outputs(rows: list[dict], args) -> None:
         )
     lines.append("")
     lines.append(f"Uncompressed traffic: {base['bytes_per_step_uncompressed'] / 1e6:.3f} MB/step.")
-    with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_markdown(RESULTS, args.name, lines)
     try:
         import matplotlib
 
@@ -210,15 +209,9 @@ def compare(names: list[str]) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--train_samples", type=int, default=1024)
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", nargs="*", default=None, help="run only these settings")
+    add_arguments(p, epochs=6, train_samples=1024, batch_size=16, seq_len=128, lr=2e-3, seed=0, only=None,
+                  quick=(False, "2 epochs on 128 samples, three settings"))
     p.add_argument("--name", default="convergence", help="results file name in benchmarks/results/")
-    p.add_argument("--quick", action="store_true", help="2 epochs on 128 samples, three settings")
     p.add_argument("--compare", nargs="+", metavar="NAME",
                    help="only compare the training curves of these saved results (no training)")
     args = p.parse_args(argv)

@@ -1,7 +1,7 @@
 """DiLoCo against per-step data parallelism on a shaped link: bytes, step time, time to DDP's loss.
 
 Two replicas, each in its own network namespace, joined through a bridge by veths that `tc`
-shapes to `--rate` Mbit/s (dp_hooks.py's StarNetwork). The same small GPT-2 from the same
+shapes to `--rate` Mbit/s (benchmarks/harness.py's `StarNetwork`). The same small GPT-2 from the same
 initialisation trains `--steps` steps on each replica's own shard (contiguous halves of the
 offline corpus's training split, a fresh seeded order each epoch), batch `--batch_size` x
 `--seq_len` tokens per replica, AdamW at one lr for every method:
@@ -29,35 +29,18 @@ Writes benchmarks/results/diloco.{json,md} (the .json after every run).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
 
 from diloco_worker import METHODS, PEER, TWO_D
-from dp_hooks import StarNetwork
-from launch import median, ratio_spread, round_order, run_workers
+from harness import add_arguments, median, ratio_spread, round_order, run_workers, shaped_star
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 WORKER = os.path.join(ROOT, "benchmarks", "diloco_worker.py")
 ONE_D = [label for label in METHODS if label != TWO_D]
-
-
-@contextlib.contextmanager
-def shaped_star(n: int, mbit: int):
-    """dp_hooks.py's StarNetwork, removed whatever happens: also when building it fails half-way
-    (a veth left in this namespace is deleted by its own name)."""
-    net = StarNetwork(n, mbit)
-    try:
-        yield net.__enter__()
-    finally:
-        net.__exit__(None, None, None)
-        for dev in net.dev:
-            if subprocess.run(["ip", "link", "show", "dev", dev], capture_output=True).returncode == 0:
-                subprocess.run(["ip", "link", "del", "dev", dev], check=False)
 
 
 def reached(row: dict, target: float) -> float | None:
@@ -253,26 +236,17 @@ def write(rows: list[dict], args, extended: list[dict] | None = None) -> list[di
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rate", type=int, default=100)
-    p.add_argument("--steps", type=int, default=384)
-    p.add_argument("--eval_every", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=3)
+    add_arguments(p, rate=100, steps=384, eval_every=16, rounds=3, batch_size=8, seq_len=64, n_embd=128,
+                  n_layer=2, lr=1e-3, timeout=(900, "seconds one run may take"),
+                  only=(None, "method labels to run (default: all)"),
+                  merge=(False, "add the rows measured now to the saved .json (same settings), replacing same label and round"),
+                  rewrite=(False, "only rewrite the .md (and summary) from the .json rows"))
     p.add_argument("--two_d_rounds", type=int, default=3)
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=64)
-    p.add_argument("--n_embd", type=int, default=128)
-    p.add_argument("--n_layer", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
-    p.add_argument("--only", nargs="*", default=None, help="method labels to run (default: all)")
     p.add_argument("--outer", default=None,
                    help='DiLoCo\'s outer settings as JSON, e.g. \'{"outer_lr": 1.0, "outer_momentum": 0.0, '
                         '"nesterov": false}\' (default: Nesterov lr 0.7, momentum 0.9); the rows\' labels name them')
-    p.add_argument("--merge", action="store_true",
-                   help="add the rows measured now to the saved .json (same settings), replacing same label and round")
     p.add_argument("--extend", type=int, default=None,
                    help="one round of the --only methods for this many steps, added to the saved .json's longer runs")
-    p.add_argument("--rewrite", action="store_true", help="only rewrite the .md (and summary) from the .json rows")
     p.add_argument("--note", nargs="*", default=None,
                    help="with --rewrite: paragraphs to end the .md with (kept in the .json; none: keep the saved ones)")
     args = p.parse_args(argv)

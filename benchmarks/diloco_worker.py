@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 from dp_hooks_worker import HOOKS, PEER
-from launch import busy_cpu_seconds, other_cpu_share
+from harness import add_arguments, busy_cpu_seconds, other_cpu_share
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM, GPT2Config
 
@@ -106,18 +106,10 @@ def digest(params) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--link", required=True)
+    add_arguments(p, required=("out", "link"), steps=384, eval_every=16, batch_size=8, seq_len=64,
+                  n_embd=128, n_layer=2, lr=3e-3, timeout=300)
     p.add_argument("--method", required=True, choices=list(METHODS))
     p.add_argument("--round", type=int, default=0)
-    p.add_argument("--steps", type=int, default=384)
-    p.add_argument("--eval_every", type=int, default=16)
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=64)
-    p.add_argument("--n_embd", type=int, default=128)
-    p.add_argument("--n_layer", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--outer", default=None,
                    help="DiLoCo's outer settings as JSON (default: OUTER); the row's label names them")
     args = p.parse_args()

@@ -21,55 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import time
 
 from dp_hooks_worker import PEER, TIMED_WARMUP
-from launch import median, ratio_spread, run_workers
+from harness import StarNetwork, add_arguments, median, ratio_spread, run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 WORKER = os.path.join(ROOT, "benchmarks", "dp_hooks_worker.py")
-
-
-def sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True)
-
-
-class StarNetwork:
-    """`n` worker namespaces, each joined by a shaped veth to a bridge in a hub namespace."""
-
-    def __init__(self, n: int, mbit: int) -> None:
-        tag = os.getpid() % 10000
-        self.n, self.mbit = n, mbit
-        self.hub = f"acH{tag}"
-        self.ns = [f"acW{tag}x{i}" for i in range(n)]
-        self.dev = [f"vw{tag}x{i}" for i in range(n)]
-        subnet = 10 + tag % 200
-        self.addr = [f"10.232.{subnet}.{i + 1}" for i in range(n)]
-
-    def __enter__(self) -> StarNetwork:
-        sh("ip", "netns", "add", self.hub)
-        sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-        sh("ip", "-n", self.hub, "link", "set", "br0", "up")
-        for i, (ns, dev, addr) in enumerate(zip(self.ns, self.dev, self.addr, strict=True)):
-            hub_end = f"vh{i}x{os.getpid() % 10000}"
-            sh("ip", "netns", "add", ns)
-            sh("ip", "link", "add", dev, "type", "veth", "peer", "name", hub_end)
-            sh("ip", "link", "set", dev, "netns", ns)
-            sh("ip", "link", "set", hub_end, "netns", self.hub)
-            sh("ip", "-n", self.hub, "link", "set", hub_end, "master", "br0")
-            sh("ip", "-n", self.hub, "link", "set", hub_end, "up")
-            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{self.mbit}mbit",
-               "burst", "64kb", "latency", "50ms")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for ns in [*self.ns, self.hub]:
-            subprocess.run(["ip", "netns", "del", ns], check=False)
 
 
 def summarize(rows: list[dict], args) -> list[dict]:
@@ -151,22 +110,13 @@ def write(rows: list[dict], args) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p, rate=100, steps=8, repeats=3, loss_steps=200, batch_size=8, seq_len=64, lr=0.03,
+                  timeout=1800, retries=3,
+                  max_other_cpu=(0.1, "measure a timed round again while other processes used more of the CPUs than this"),
+                  merge=(False, "replace only the parts measured now in the saved .json (same settings), keep the rest"),
+                  rewrite=(False, "only rewrite the .md (and summary) from the .json rows"))
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--rate", type=int, default=100)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--loss_steps", type=int, default=200)
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=0.03)
-    p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--max_other_cpu", type=float, default=0.1,
-                   help="measure a timed round again while other processes used more of the CPUs than this")
-    p.add_argument("--retries", type=int, default=3)
     p.add_argument("--skip_loss", action="store_true", help="no loss runs (with --merge: keep the saved ones)")
-    p.add_argument("--merge", action="store_true",
-                   help="replace only the parts measured now in the saved .json (same settings), keep the rest")
-    p.add_argument("--rewrite", action="store_true", help="only rewrite the .md (and summary) from the .json rows")
     args = p.parse_args(argv)
     started = time.gmtime()
     saved_path = os.path.join(RESULTS, "dp_hooks.json")

@@ -20,7 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from launch import busy_cpu_seconds, round_order, wait_until_quiet
+from harness import add_arguments, busy_cpu_seconds, round_order, wait_until_quiet
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM, GPT2Config
 
@@ -130,17 +130,8 @@ class Method:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--link", required=True)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--loss_steps", type=int, default=0)
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=0.5)
-    p.add_argument("--only", nargs="*", default=None, help="labels to run (default: all)")
-    p.add_argument("--max_other_cpu", type=float, default=0.1)
-    p.add_argument("--retries", type=int, default=3)
+    add_arguments(p, required=("out", "link"), steps=8, repeats=3, loss_steps=0, batch_size=8, seq_len=64,
+                  lr=0.5, only=(None, "labels to run (default: all)"), max_other_cpu=0.1, retries=3)
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

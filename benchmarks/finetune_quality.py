@@ -32,6 +32,7 @@ import time
 import torch
 from convergence import eval_loss, make_model  # the same model and token-weighted eval
 from convergence import settings as convergence_settings
+from harness import add_arguments, write_markdown
 from smollm2 import stdlib_sources  # the same stdlib files as the real-model benchmarks
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
@@ -205,9 +206,7 @@ def write_outputs(rows: list[dict], summary: list[dict], meta: dict) -> None:
             f"[{s['eval_loss_min']:.4f}-{s['eval_loss_max']:.4f}] | {gap} | {s['eval_loss_compressed']:.4f} | "
             f"{math.exp(s['eval_loss']):.2f} | {s['bytes_per_step'] / 1e6:.3f} | {s['compression_ratio']:.1f}x "
             f"| {tie_mb} |")
-    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_markdown(RESULTS, name, lines)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -237,22 +236,12 @@ def replot(name: str) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--pretrain_epochs", type=int, default=4)
-    p.add_argument("--pretrain_lr", type=float, default=2e-3)
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--train_samples", type=int, default=512)
-    p.add_argument("--eval_samples", type=int, default=256)
-    p.add_argument("--stdlib_files", type=int, default=120)
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--only", nargs="*", default=None, help="run only these settings")
+    add_arguments(p, seeds=[0, 1, 2], pretrain_epochs=4, pretrain_lr=2e-3, epochs=4, train_samples=512,
+                  eval_samples=256, stdlib_files=120, batch_size=16, seq_len=128, lr=5e-4, only=None,
+                  merge=(False, "keep the saved rows of settings and seeds not run again (with --only)"),
+                  quick=(False, "1 pre-training epoch, 2 fine-tuning epochs, 3 settings"),
+                  replot=(False, "only rewrite the table and plot from the saved JSON"))
     p.add_argument("--name", default="finetune_quality", help="results file name in benchmarks/results/")
-    p.add_argument("--merge", action="store_true",
-                   help="keep the saved rows of settings and seeds not run again (with --only)")
-    p.add_argument("--quick", action="store_true", help="1 pre-training epoch, 2 fine-tuning epochs, 3 settings")
-    p.add_argument("--replot", action="store_true", help="only rewrite the table and plot from the saved JSON")
     args = p.parse_args(argv)
     if args.replot:
         replot(args.name)

@@ -6,7 +6,7 @@ embedding's row exchange), on three links:
 
 - loopback (127.0.0.1);
 - 100 Mbit/s: two network namespaces joined by a veth pair, `tc tbf` on both ends
-  (benchmarks/slow_link.py's `LinkedNamespaces`);
+  (benchmarks/harness.py's `LinkedNamespaces`);
 - 100 Mbit/s with 20 ms round trip: this kernel has no `netem` (CONFIG_NET_SCH_NETEM is not set),
   so the delay is a userspace delay line: each namespace gets a TUN device instead of a veth
   end, and one process here reads every IP packet from one TUN device and writes it into the
@@ -52,7 +52,7 @@ import tempfile
 import threading
 import time
 
-from slow_link import LinkedNamespaces
+from harness import LinkedNamespaces, add_arguments, sh, shape_device, write_markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -61,10 +61,6 @@ CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hf_actcomp_benchmarks")
 LOOPBACK = "loopback"
 
 TUNSETIFF, IFF_TUN, IFF_NO_PI, CLONE_NEWNET = 0x400454CA, 0x0001, 0x1000, 0x40000000
-
-
-def sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True)
 
 
 # ------------------------------------------------------------------------------------------ links
@@ -133,8 +129,7 @@ class DelayedNamespaces:
             for ns, dev, addr, peer in zip(self.ns, self.dev, self.addr, self.addr[::-1], strict=True):
                 sh("ip", "-n", ns, "addr", "add", f"{addr}/32", "peer", f"{peer}/32", "dev", dev)
                 sh("ip", "-n", ns, "link", "set", dev, "up")
-                sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{self.mbit}mbit",
-                   "burst", "64kb", "latency", "50ms")
+                shape_device(ns, dev, self.mbit)
             spec = json.dumps([list(self.ns), list(self.dev), self.delay_ms / 1e3])
             self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--delay_line", spec],
                                          stdout=subprocess.PIPE, text=True)
@@ -247,7 +242,7 @@ def agreement(weights: dict, meta: dict, prompts: list[list[int]], timing: dict,
     from generation_worker import CODECS, build_model, plan_of
 
     import hf_actcomp
-    from hf_actcomp.generation import positions_from_mask
+    from hf_actcomp.split_generation import positions_from_mask
 
     model = build_model(weights, meta)
     n = args.new_tokens
@@ -292,7 +287,7 @@ def agreement(weights: dict, meta: dict, prompts: list[list[int]], timing: dict,
 
 # ------------------------------------------------------------------------------------------ summary
 def spread(values: list[float]) -> dict:
-    from launch import median
+    from harness import median
 
     return dict(median=median(values), min=min(values), max=max(values))
 
@@ -310,7 +305,7 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
     round) and on the interface; each stage's compute per step (median round); what the link adds
     over the same variant on loopback, in ms and in round trips; the regime."""
     from generation_worker import call_seconds
-    from launch import median
+    from harness import median
 
     a = meta["args"]
     n, calls, rate = a["new_tokens"], a["calls"], a["rate"]
@@ -497,9 +492,7 @@ def write(rows: list[dict], meta: dict) -> None:
         lines.append(f"| {name} | {100 * c['free_running_equal']:.2f}% | {100 * c['rows_identical']:.1f}% | "
                      f"{c['mean_first_difference']:.1f} | {100 * c['teacher_forced_top1']:.2f}% | {verdict} |")
     lines += ["", "## What bounds a token (this CPU)", ""] + findings(summary, meta)
-    with open(os.path.join(RESULTS, f"{a.name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_markdown(RESULTS, a.name, lines)
 
 
 def findings(summary: list[dict], meta: dict) -> list[str]:
@@ -622,34 +615,24 @@ def main(argv=None) -> None:
         delay_line(*json.loads(argv[1]))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rate", type=int, default=100, help="Mbit/s of the shaped links")
+    add_arguments(p, rate=100, new_tokens=64, calls=(4, "generate calls per timed window (back to back)"),
+                  repeats=3, pings=20, pretrain_epochs=4, pretrain_lr=2e-3,
+                  batch_size=(16, "of pre-training"), seq_len=128,
+                  eval_samples=(16, "(corpora(): unused here)"),
+                  stdlib_files=(2, "(corpora(): unused here)"), seed=(0, "prompt lengths"),
+                  max_other_cpu=0.1, retries=2, timeout=3600,
+                  train_samples=(16, "(corpora(): fine-tuning blocks, unused here)"),
+                  quiet_wait=(30.0, "seconds at most to wait for a quiet machine before measuring a window again"),
+                  quick=(False, "a tiny run that checks the script works (< 1 minute)"),
+                  rewrite=(False, "only rewrite the .md (and summary) from the .json"))
     p.add_argument("--delay_ms", type=float, default=10.0, help="one-way delay of the delayed link")
     p.add_argument("--links", nargs="+", default=None, help="a subset of the links (by name)")
     p.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--new_tokens", type=int, default=64)
-    p.add_argument("--calls", type=int, default=4, help="generate calls per timed window (back to back)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--pings", type=int, default=20, help="ping-pongs that measure each link's round trip")
     p.add_argument("--prompt_min", type=int, default=16)
     p.add_argument("--prompt_max", type=int, default=32)
     p.add_argument("--agreement_prompts", type=int, default=64)
     p.add_argument("--agreement_batch", type=int, default=8)
-    p.add_argument("--pretrain_epochs", type=int, default=4)
-    p.add_argument("--pretrain_lr", type=float, default=2e-3)
-    p.add_argument("--batch_size", type=int, default=16, help="of pre-training")
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--train_samples", type=int, default=16, help="(corpora(): fine-tuning blocks, unused here)")
-    p.add_argument("--eval_samples", type=int, default=16, help="(corpora(): unused here)")
-    p.add_argument("--stdlib_files", type=int, default=2, help="(corpora(): unused here)")
-    p.add_argument("--seed", type=int, default=0, help="prompt lengths")
-    p.add_argument("--max_other_cpu", type=float, default=0.1)
-    p.add_argument("--retries", type=int, default=2)
-    p.add_argument("--quiet_wait", type=float, default=30.0,
-                   help="seconds at most to wait for a quiet machine before measuring a window again")
-    p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--name", default="generation", help="results file name in benchmarks/results/")
-    p.add_argument("--quick", action="store_true", help="a tiny run that checks the script works (< 1 minute)")
-    p.add_argument("--rewrite", action="store_true", help="only rewrite the .md (and summary) from the .json")
     args = p.parse_args(argv)
     if args.rewrite:
         with open(os.path.join(RESULTS, f"{args.name}.json")) as f:
@@ -672,7 +655,7 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the namespaces are removed
     import torch
     from generation_worker import VARIANTS
-    from launch import run_workers
+    from harness import run_workers
     from safetensors.torch import save_file
 
     started = time.time()

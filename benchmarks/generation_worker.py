@@ -7,7 +7,7 @@ one step (one new token per row) is `(T(new_tokens) - T(1)) / (new_tokens - 1)`.
 measurement is `--calls` generate calls, back to back, inside `slow_link_worker.measure` (barriers
 around the window, the veth tx counters on a shaped link, the share of the CPUs other processes
 used, and a retry while that share is above `--max_other_cpu`); every rank also times each call. `--repeats` rounds, each running the variants
-in another order (`launch.round_order`).
+in another order (`harness.round_order`).
 
 Per measurement each rank reports what `pipe.stats()` counted under `inference` (what THIS rank
 sent: activations on stage 0; chosen ids and tied-embedding rows on stage 1) and
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from convergence import make_model
-from launch import median, round_order, wait_until_quiet
+from harness import add_arguments, median, round_order, wait_until_quiet
 from safetensors.torch import load_file
 from slow_link_worker import measure
 
@@ -139,17 +139,11 @@ def run(pipe, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, args) -> t
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--link", required=True)
-    p.add_argument("--data", required=True)
+    add_arguments(p, required=("out", "link", "data"), new_tokens=64,
+                  calls=(4, "generate calls per timed window"), repeats=3, pings=50, max_other_cpu=0.1,
+                  retries=2,
+                  quiet_wait=(30.0, "seconds at most to wait for a quiet machine"))
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--new_tokens", type=int, default=64)
-    p.add_argument("--calls", type=int, default=4, help="generate calls per timed window")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--pings", type=int, default=50)
-    p.add_argument("--max_other_cpu", type=float, default=0.1)
-    p.add_argument("--retries", type=int, default=2)
-    p.add_argument("--quiet_wait", type=float, default=30.0, help="seconds at most to wait for a quiet machine")
     args = p.parse_args()
     transformers.logging.set_verbosity_error()  # generate's notices, once per call and rank
     started = time.time()

@@ -47,7 +47,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from launch import busy_cpu_seconds, other_cpu_share
+from harness import add_arguments, busy_cpu_seconds, other_cpu_share, write_markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -247,28 +247,20 @@ def write(result: dict, args) -> None:
         if row["error"]:
             lines.append(f"- rank {row['rank']}, step {row['error_step']}, {row['error_after_stall_seconds']:.1f} s: "
                          f"`{row['error']}`")
-    with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_markdown(RESULTS, args.name, lines)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=40)
+    add_arguments(p, steps=40, timeout=(300.0, "prepare(timeout=) of run (b)"), vocab=1024, hidden=128,
+                  layers=2, seq_len=128, batch_size=8, micro_batches=4,
+                  repeats=(3, "rounds of (a) and (b) (and (d)), each in new processes"))
     p.add_argument("--stall_after", type=int, default=10, help="the stall starts after this step (from 0)")
     p.add_argument("--stall", type=float, default=20.0, help="seconds the link stays near zero")
-    p.add_argument("--timeout", type=float, default=300.0, help="prepare(timeout=) of run (b)")
     p.add_argument("--short_timeout", type=float, default=10.0, help="prepare(timeout=) of run (c)")
     p.add_argument("--mbit", type=float, default=10.0)
     p.add_argument("--compression", default="aqsgd", choices=["aqsgd", "none"])
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--micro_batches", type=int, default=4)
     p.add_argument("--num_batches", type=int, default=4, help="distinct batches, cycled (AQ-SGD's samples)")
-    p.add_argument("--repeats", type=int, default=3, help="rounds of (a) and (b) (and (d)), each in new processes")
     p.add_argument("--rto_max_ms", type=int, default=1000,
                    help="(d): the rounds again with net.ipv4.tcp_rto_max_ms set in both namespaces (0: none)")
     p.add_argument("--tcp_retries2", type=int, default=60,

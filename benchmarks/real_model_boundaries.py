@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import smollm2  # noqa: E402
-from launch import write_markdown  # noqa: E402
+from harness import add_arguments, write_markdown  # noqa: E402
 
 from hf_actcomp import Compression, Plan  # noqa: E402
 from hf_actcomp.feedback import build_inference_codec  # noqa: E402
@@ -148,13 +148,11 @@ def stage_boundaries(adapter, stages: int) -> list[int]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--eval_blocks", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=256)
+    add_arguments(p, eval_blocks=8, seq_len=256, quick=False)
     p.add_argument("--single", type=int, nargs="+", default=[2, 4, 8, 12, 16, 20, 24, 28],
                    help="blocks whose input gets the codec alone")
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--codecs", nargs="+", default=None, help="labels (default: all)")
-    p.add_argument("--quick", action="store_true")
     p.add_argument("--name", default="real_model_boundaries")
     args = p.parse_args(argv)
     if args.quick:

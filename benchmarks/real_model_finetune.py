@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, default_data_collator
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import smollm2  # noqa: E402
 from convergence import eval_loss, train_epochs  # noqa: E402  (token-weighted eval, the epochs loop)
-from launch import write_markdown  # noqa: E402
+from harness import add_arguments, write_markdown  # noqa: E402
 
 import hf_actcomp  # noqa: E402
 from hf_actcomp import Compression, MemoryConfig, Plan  # noqa: E402
@@ -175,14 +175,10 @@ def main(argv=None) -> None:
 
 def add_grid_arguments(p: argparse.ArgumentParser, name: str, epochs: int, settings: str) -> None:
     """The options every real-model quality benchmark takes: the grid, the optimizer, the file."""
+    add_arguments(p, seeds=[0, 1, 2], epochs=epochs, batch_size=4, micro_batches=2, lr=3e-5,
+                  merge=(False, "add to the saved rows (same data settings)"))
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--settings", nargs="+", default=None, help=f"labels (default: {settings})")
-    p.add_argument("--epochs", type=int, default=epochs)
-    p.add_argument("--batch_size", type=int, default=4)
-    p.add_argument("--micro_batches", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-5)
-    p.add_argument("--merge", action="store_true", help="add to the saved rows (same data settings)")
     p.add_argument("--name", default=name)
 
 

@@ -19,7 +19,7 @@ boundary direction takes several times a stage's compute (link-bound); AQ-SGD br
 the compute.
 
 One launch of S ranks per (link, S) runs every (M, method) back to back (benchmarks/schedules_worker.py),
-`--repeats` rounds in alternating order (benchmarks/launch.py `round_order`); tables give the
+`--repeats` rounds in alternating order (benchmarks/harness.py `round_order`); tables give the
 median and the range over the rounds. Needs root (namespaces, tc); everything the run creates
 is named after its pid and removed at the end, and every rank (loopback included) runs inside a
 namespace the run made, so it only ever uses addresses there.
@@ -34,55 +34,31 @@ Writes benchmarks/results/schedules.{json,md} (`--quick`: schedules_quick.*; `--
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import signal
-import subprocess
 import sys
 import time
 
 import torch
-from launch import median, ratio_spread, run_workers
+from harness import (
+    LinkedNamespaces,
+    LoopbackNamespace,
+    NamespaceChain,
+    add_arguments,
+    median,
+    namespaces,
+    ratio_spread,
+    run_workers,
+    write_markdown,
+)
 from schedules_worker import CODECS, PEER, PEER_SCHEDULES, SCHEDULES
-from slow_link import LinkedNamespaces, NamespaceChain, sh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 WORKER = os.path.join(ROOT, "benchmarks", "schedules_worker.py")
 TARGET = 1.05  # step time / slowest stage's compute
-
-
-class LoopbackNamespace:
-    """One namespace of our own holding every rank, talking over its loopback 127.0.0.1."""
-
-    def __init__(self, n: int) -> None:
-        name = f"acL{os.getpid() % 100000}"
-        self.ns, self.dev, self.addr = (name,) * n, ("lo",) * n, ("127.0.0.1",) * n
-
-    def __enter__(self) -> LoopbackNamespace:
-        sh("ip", "netns", "add", self.ns[0])
-        sh("ip", "-n", self.ns[0], "link", "set", "lo", "up")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        subprocess.run(["ip", "netns", "del", self.ns[0]], check=False)
-
-
-@contextlib.contextmanager
-def namespaces(net):
-    """`net` set up, and removed whatever happens (also when setting it up fails half way: its
-    namespaces, and any of its veth devices left in the root namespace)."""
-    try:
-        yield net.__enter__()
-    finally:
-        net.__exit__(None, None, None)
-        pairs = getattr(net, "pairs", None)
-        devices = [d for pair in pairs for d in pair] if pairs else [d for d in net.dev if d != "lo"]
-        for dev in devices:
-            subprocess.run(["ip", "link", "del", dev], check=False, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
 
 
 def machine() -> dict:
@@ -285,15 +261,19 @@ def write(rows: list[dict], args, info: dict) -> None:
                          f"{r['schedule']} | {r['seconds_per_step']:.3f} | {_spread(r, 'over_compute')}{met} | "
                          f"{synchronous_floor(r['stages'], r['micro_batches']):.2f}x | {_spread(r, 'vs_1f1b')} | "
                          f"{_spread(r, 'vs_peer')} ({r['peer_schedule'] or ''}) |")
-    with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_markdown(RESULTS, args.name, lines)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rates", type=int, nargs="*", default=[10], help="Mbit/s of the shaped links")
-    p.add_argument("--no_loopback", action="store_true")
+    add_arguments(p, rates=[10], no_loopback=False,
+                  steps=(3, "measured steps per run (the median is kept)"),
+                  warmup=(1, "steps before measuring (AQ-SGD's first visits)"),
+                  repeats=(3, "rounds, each in another order"), micro_batch_size=2, seq_len=64, hidden=256,
+                  layers_per_stage=2, vocab=256, retries=1, timeout=1800,
+                  max_other_cpu=(0.1, "measure a run again when other processes used more than this share of the CPUs"),
+                  quick=(False, "loopback only, S=2, M=4, 2 measured steps, 1 round, no retries (a smoke test)"),
+                  summarize_only=(False, "rewrite the table from the saved .json"))
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     p.add_argument("--micro_batch_factors", type=int, nargs="+", default=[1, 2], help="M = factor x S")
     p.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
@@ -302,23 +282,8 @@ def main(argv=None) -> None:
                    choices=list(PEER_SCHEDULES), help="torch.distributed.pipelining schedules on loopback (none: no peer)")
     p.add_argument("--link_peer_schedules", nargs="*", default=["GPipe", "1F1B"], choices=list(PEER_SCHEDULES),
                    help="the same on the shaped links (interleaved ones send 3x the activations over every boundary)")
-    p.add_argument("--steps", type=int, default=3, help="measured steps per run (the median is kept)")
-    p.add_argument("--warmup", type=int, default=1, help="steps before measuring (AQ-SGD's first visits)")
-    p.add_argument("--repeats", type=int, default=3, help="rounds, each in another order")
-    p.add_argument("--micro_batch_size", type=int, default=2, help="sequences per micro-batch")
-    p.add_argument("--seq_len", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers_per_stage", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--max_other_cpu", type=float, default=0.1,
-                   help="measure a run again when other processes used more than this share of the CPUs")
-    p.add_argument("--retries", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
-    p.add_argument("--quick", action="store_true",
-                   help="loopback only, S=2, M=4, 2 measured steps, 1 round, no retries (a smoke test)")
     p.add_argument("--name", default=None, help="results file name in benchmarks/results/ (default schedules, "
                                                  "schedules_quick with --quick)")
-    p.add_argument("--summarize_only", action="store_true", help="rewrite the table from the saved .json")
     args = p.parse_args(argv)
     if args.quick:
         args.rates, args.stages, args.micro_batch_factors = [], [2], [2]

@@ -33,8 +33,9 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from launch import round_order
-from slow_link_worker import TIE, batches, build_peer, make_model, measure
+from harness import add_arguments, round_order
+from peer import TIE, build_peer
+from slow_link_worker import batches, make_model, measure
 
 import hf_actcomp
 from hf_actcomp import Compression, Plan
@@ -249,23 +250,13 @@ def run_peer(name: str, args, tie_group) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--link", required=True)
+    add_arguments(p, required=("out", "link"), steps=3, warmup=1, micro_batch_size=2, seq_len=64,
+                  hidden=256, layers_per_stage=2, vocab=256, max_other_cpu=0.1, retries=1, repeats=3)
     p.add_argument("--micro_batch_counts", type=int, nargs="+", required=True)
     p.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     p.add_argument("--peer_schedules", nargs="*", default=["GPipe", "1F1B", "Interleaved1F1B"],
                    choices=list(PEER_SCHEDULES))
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--micro_batch_size", type=int, default=2)
-    p.add_argument("--seq_len", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers_per_stage", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--max_other_cpu", type=float, default=0.1)
-    p.add_argument("--retries", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -31,10 +31,16 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 
-from launch import median, ratio_spread, run_workers
+from harness import (
+    LinkedNamespaces,
+    add_arguments,
+    median,
+    ratio_spread,
+    run_workers,
+    write_markdown,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -47,92 +53,6 @@ HEADER_BYTES = 66  # per packet on the veth: Ethernet 14 + IPv4 20 + TCP 20 + 12
 CONVERGENCE_SETTING = {"ours, uncompressed": "none", "ours, AQ-SGD fw4/bw8": "aqsgd fw4/bw8",
                        "ours, AQ-SGD fw2/bw4": "aqsgd fw2/bw4", "ours, TopK 10% + EF": "topk 10% + EF"}
 NO_LEARNING_MARGIN = 1.0  # nats above uncompressed's eval loss: marked "does not learn"
-
-
-def sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True)
-
-
-def shape_device(ns: str, dev: str, mbit: int) -> None:
-    """`tc tbf` on `dev`'s egress in namespace `ns`: `mbit` Mbit/s, 64 kB burst, 50 ms queue."""
-    sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
-       "burst", "64kb", "latency", "50ms")
-
-
-class LinkedNamespaces:
-    """Two namespaces joined by a veth pair with addresses 10.231.<x>.1 and .2 (ours only)."""
-
-    def __init__(self) -> None:
-        tag = os.getpid() % 100000
-        self.ns = (f"acA{tag}", f"acB{tag}")
-        self.dev = (f"vA{tag}", f"vB{tag}")
-        subnet = 10 + tag % 200
-        self.addr = (f"10.231.{subnet}.1", f"10.231.{subnet}.2")
-
-    def __enter__(self) -> LinkedNamespaces:
-        for ns in self.ns:
-            sh("ip", "netns", "add", ns)
-        sh("ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
-        for ns, dev, addr in zip(self.ns, self.dev, self.addr, strict=True):
-            sh("ip", "link", "set", dev, "netns", ns)
-            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        return self
-
-    def shape(self, mbit: int) -> None:
-        for ns, dev in zip(self.ns, self.dev, strict=True):
-            shape_device(ns, dev, mbit)
-
-    def __exit__(self, *exc) -> None:
-        for ns in self.ns:
-            subprocess.run(["ip", "netns", "del", ns], check=False)
-
-
-class NamespaceChain(LinkedNamespaces):
-    """`n` namespaces in a line, one per pipeline stage: boundary b is a veth pair between
-    namespaces b and b+1 (subnet 10.<240+b>.<x>.0/24, ends .1 and .2, ours only). Every namespace
-    forwards IP and routes the subnets beyond its neighbours through them, so ranks that are not
-    neighbours (the tie's first and last stage, gloo's collectives) reach each other across the
-    boundaries between them. `ns`, `dev` and `addr` are per rank: its namespace, and the interface
-    and address gloo uses (a rank's end of its forward boundary; the last rank's end of its
-    backward one). `shape(mbit, boundaries)` shapes only the given boundaries: the others stay
-    unshaped veth (about loopback's speed)."""
-
-    def __init__(self, n: int) -> None:
-        tag = os.getpid() % 100000
-        subnet = 10 + tag % 200
-        self.ns = tuple(f"acC{tag}s{i}" for i in range(n))
-        # boundary b: (device in namespace b, device in namespace b + 1), (their addresses)
-        self.pairs = [(f"c{tag}b{b}l", f"c{tag}b{b}r") for b in range(n - 1)]
-        self.ends = [(f"10.{240 + b}.{subnet}.1", f"10.{240 + b}.{subnet}.2") for b in range(n - 1)]
-        self.subnets = [f"10.{240 + b}.{subnet}.0/24" for b in range(n - 1)]
-        self.dev = tuple(self.pairs[i][0] if i < n - 1 else self.pairs[-1][1] for i in range(n))
-        self.addr = tuple(self.ends[i][0] if i < n - 1 else self.ends[-1][1] for i in range(n))
-
-    def __enter__(self) -> NamespaceChain:
-        for ns in self.ns:
-            sh("ip", "netns", "add", ns)
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
-        for b, (devs, addrs) in enumerate(zip(self.pairs, self.ends, strict=True)):
-            sh("ip", "link", "add", devs[0], "type", "veth", "peer", "name", devs[1])
-            for ns, dev, addr in zip(self.ns[b:b + 2], devs, addrs, strict=True):
-                sh("ip", "link", "set", dev, "netns", ns)
-                sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-                sh("ip", "-n", ns, "link", "set", dev, "up")
-        for i, ns in enumerate(self.ns):  # farther subnets through the neighbour on their side
-            for b, subnet in enumerate(self.subnets):
-                if b < i - 1:
-                    sh("ip", "-n", ns, "route", "add", subnet, "via", self.ends[i - 1][0])
-                elif b > i:
-                    sh("ip", "-n", ns, "route", "add", subnet, "via", self.ends[i][1])
-        return self
-
-    def shape(self, mbit: int, boundaries: list[int] | None = None) -> None:
-        for b in range(len(self.pairs)) if boundaries is None else boundaries:
-            for ns, dev in zip(self.ns[b:b + 2], self.pairs[b], strict=True):
-                shape_device(ns, dev, mbit)
 
 
 def run_pair(link: str, worker_args: list[str], namespaces: LinkedNamespaces | None, port: int,
@@ -398,38 +318,23 @@ def write(rows: list[dict], args) -> None:
                          f"{r['link_tx_bytes_window'] / 1e6:.2f} | {r['link_over_counted']:.3f} | "
                          f"{r['link_tx_packets_window']} | {payload / 1e6:.2f} | "
                          f"{r['link_payload_over_counted']:.3f}{flag} |")
-    with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_markdown(RESULTS, args.name, lines)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rates", type=int, nargs="*", default=[50, 100, 500], help="Mbit/s of the shaped links")
-    p.add_argument("--no_loopback", action="store_true")
+    add_arguments(p, rates=[50, 100, 500], no_loopback=False,
+                  steps=(8, "measured steps of the small model"), large_steps=6, warmup=2, batch_size=16,
+                  micro_batches=4, seq_len=128, hidden=256, layers=2, vocab=1024,
+                  large_vocab=(50257, "GPT-2's vocabulary"), retries=3, timeout=3600,
+                  max_other_cpu=(0.1, "measure a row again when other processes used more than this share of the CPUs"),
+                  repeats=(3, "rounds per link, each in another order (at least 3)"),
+                  merge=(False, "keep the saved rows of the (link, model) pairs this run does not measure"),
+                  summarize_only=(False, "recompute the table from benchmarks/results/slow_link.json without running"))
     p.add_argument("--models", nargs="+", default=["small", "tied", "untied"], choices=["small", "tied", "untied"],
                    help="small: vocab --vocab, untied; tied / untied: vocab --large_vocab with and without "
                         "tie_word_embeddings")
-    p.add_argument("--steps", type=int, default=8, help="measured steps of the small model")
-    p.add_argument("--large_steps", type=int, default=6, help="measured steps of the real-vocabulary models")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--micro_batches", type=int, default=4)
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--large_vocab", type=int, default=50257, help="GPT-2's vocabulary")
-    p.add_argument("--max_other_cpu", type=float, default=0.1,
-                   help="measure a row again when other processes used more than this share of the CPUs")
-    p.add_argument("--retries", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=3, help="rounds per link, each in another order (at least 3)")
-    p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--name", default="slow_link", help="results file name in benchmarks/results/ (.json, .md)")
-    p.add_argument("--merge", action="store_true",
-                   help="keep the saved rows of the (link, model) pairs this run does not measure")
-    p.add_argument("--summarize_only", action="store_true",
-                   help="recompute the table from benchmarks/results/slow_link.json without running")
     args = p.parse_args(argv)
     if args.repeats < 3 and not args.summarize_only:
         p.error("--repeats must be at least 3 (median and spread)")

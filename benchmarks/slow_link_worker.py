@@ -20,7 +20,7 @@ On a shaped link (each rank alone in a network namespace, `GLOO_SOCKET_IFNAME` i
 each rank also reads its veth tx byte counter just before and just after the measured steps, so
 the bytes the run counted can be checked against the bytes the interface really sent.
 `--repeats` rounds: round k runs each model's methods starting at method k*n/repeats,
-backwards on odd rounds (benchmarks/launch.py `round_order`), every run from a fresh model
+backwards on odd rounds (benchmarks/harness.py `round_order`), every run from a fresh model
 with its own warm-up. Rank 0 writes one row per (model, method) with the rounds' results.
 """
 
@@ -33,13 +33,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from launch import busy_cpu_seconds, other_cpu_share, round_order, wait_until_quiet
+from harness import add_arguments, busy_cpu_seconds, other_cpu_share, round_order, wait_until_quiet
+from peer import TIE, build_peer
 from transformers import AutoModelForCausalLM, GPT2Config
 
 import hf_actcomp
 from hf_actcomp import Compression, MemoryConfig, Plan
-from hf_actcomp.models import get_adapter
-from hf_actcomp.models.split import stage_ranges
 
 METHODS = {
     "ours, uncompressed": (Compression("none"), Compression("none")),
@@ -49,7 +48,6 @@ METHODS = {
 }
 PEER = "torch.distributed.pipelining"
 PEER_TIED = "torch.distributed.pipelining + all-reduce of the tied weight"
-TIE = ("lm_head.weight", "transformer.wte.weight")
 
 # What runs for each model, in this order.
 RUNS = {
@@ -120,44 +118,6 @@ def run_ours(name, spec, args) -> dict:
     return dict(seconds_per_step=seconds, steps=steps, bytes_per_step=stats["bytes_sent"] / steps,
                 byte_ratio=stats["compression_ratio"], categories=categories, waiting_fraction=waiting,
                 rank_bytes_per_step=rank_bytes, counted_bytes_window=stats["bytes_sent"], **window)
-
-
-def build_peer(model, micro_batches: int, tied: bool, pipe_group=None, dp_group=None, tie: tuple[str, str] = TIE,
-               split: list[int] | None = None):
-    """`model` split in two as a user of torch.distributed.pipelining would: this rank's stage
-    module (the same modules as ours), a `step(batch)` running Schedule1F1B over it, and (with
-    `tied`) this rank's copy of the tied embedding, whose gradient `step` all-reduces so that the
-    two copies stay equal (`tie`: the head's and the input embedding's names). `split`: where the
-    blocks are cut (default: the plan's balanced split). Returns (module, step, tied parameter or None).
-
-    With `pipe_group` (this rank's 2 pipeline ranks) and `dp_group` (its stage's replicas) the
-    stage module is wrapped in DDP over `dp_group`, as torchtitan does for PP x DP: PipelineStage
-    runs every micro-batch's backward but the last under `no_sync`, so DDP all-reduces once per step."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from torch.nn.parallel import DistributedDataParallel
-
-    rank = dist.get_rank(pipe_group) if pipe_group is not None else dist.get_rank()
-    adapter = get_adapter(model)
-    r = stage_ranges(adapter, Plan(num_stages=2, micro_batches=micro_batches, split_points=split))[rank]
-    module = adapter.build_stage(r.start, r.stop, first=rank == 0, last=rank == 1)
-    wrapped = module if dp_group is None else DistributedDataParallel(module, process_group=dp_group)
-    stage = PipelineStage(wrapped, stage_index=rank, num_stages=2, device=torch.device("cpu"), group=pipe_group)
-    copy = dict(module.named_parameters())[tie[1] if rank == 0 else tie[0]] if tied else None
-
-    def loss_fn(logits, labels):
-        return model.loss_function(logits, labels, vocab_size=model.config.vocab_size)
-
-    schedule = Schedule1F1B(stage, n_microbatches=micro_batches, loss_fn=loss_fn)
-
-    def step(batch: dict) -> None:
-        if rank == 0:
-            schedule.step(batch["input_ids"], attention_mask=batch["attention_mask"])
-        else:
-            schedule.step(attention_mask=batch["attention_mask"], target=batch["labels"])
-        if copy is not None:  # both copies get the summed gradient, so they stay equal
-            dist.all_reduce(copy.grad, group=pipe_group)
-
-    return module, step, copy
 
 
 def run_peer(name, spec, args) -> dict:
@@ -274,23 +234,11 @@ def measure(step, steps: int, args, reset=None) -> tuple[float, dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--link", required=True)
+    add_arguments(p, required=("out", "link"), steps=(8, "measured steps of the small model"),
+                  large_steps=6, warmup=2, batch_size=16, micro_batches=4, seq_len=128, hidden=256,
+                  layers=2, vocab=1024, large_vocab=50257, max_other_cpu=0.1, retries=3,
+                  repeats=(3, "rounds, each running the methods in another order"))
     p.add_argument("--models", nargs="+", default=list(RUNS), choices=list(RUNS))
-    p.add_argument("--steps", type=int, default=8, help="measured steps of the small model")
-    p.add_argument("--large_steps", type=int, default=6, help="measured steps of the real-vocabulary models")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--micro_batches", type=int, default=4)
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--large_vocab", type=int, default=50257)
-    p.add_argument("--max_other_cpu", type=float, default=0.1,
-                   help="measure again when other processes used more than this share of the CPUs")
-    p.add_argument("--retries", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=3, help="rounds, each running the methods in another order")
     args = p.parse_args()
     args.num_samples = args.batch_size * args.warmup
     torch.set_num_threads(1)

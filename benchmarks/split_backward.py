@@ -35,7 +35,7 @@ import sys
 import time
 
 import torch
-from launch import busy_cpu_seconds, other_cpu_share
+from harness import add_arguments, busy_cpu_seconds, other_cpu_share
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -171,13 +171,9 @@ def summarize(data: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p, hidden=256, seq_len=64, micro_batch_size=2, rounds=6, warmup=3)
     p.add_argument("--families", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--seq_len", type=int, default=64)
-    p.add_argument("--micro_batch_size", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--name", default="split_backward")
     args = p.parse_args()
     torch.set_num_threads(1)

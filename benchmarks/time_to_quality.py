@@ -21,7 +21,7 @@ whose loss is at most the target plus `--tolerance` (relative). Needs root (name
 
 Plan.auto against the fixed settings (issue 27): "ours, auto" measures the links and compute at its
 first step and picks the codecs (the probe's time and bytes count in its run). `--stages 3
---shaped 1` runs 3 processes in a chain of namespaces (benchmarks/slow_link.py `NamespaceChain`)
+--shaped 1` runs 3 processes in a chain of namespaces (benchmarks/harness.py `NamespaceChain`)
 whose boundary 1 is shaped to `--rate` and boundary 0 is an unshaped veth pair: a mixed link.
 
     sudo OMP_NUM_THREADS=1 .venv/bin/python benchmarks/time_to_quality.py --rate 10 --stop_at_target 4.4803 \
@@ -61,11 +61,19 @@ import sys
 import tempfile
 
 import torch
-from diloco import shaped_star
 from finetune_quality import corpora, pretrain
-from launch import median, ratio_spread, run_workers
+from harness import (
+    LinkedNamespaces,
+    NamespaceChain,
+    add_arguments,
+    median,
+    ratio_spread,
+    run_workers,
+    shaped_star,
+    write_markdown,
+)
 from safetensors.torch import save_file
-from slow_link import LinkedNamespaces, NamespaceChain, table
+from slow_link import table
 from time_to_quality_worker import (
     AUTO,
     BASE,
@@ -78,7 +86,7 @@ from time_to_quality_worker import (
     SPLIT_POINTS,
 )
 
-from hf_actcomp.auto import bandwidth_text
+from hf_actcomp.plan.codec_choice import bandwidth_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -466,9 +474,7 @@ def write(rows: list[dict], meta: dict) -> None:
     lines += peer_cut(rows, summary) + regime(summary) + data_parallel_section(rows, summary, target)
     lines += auto_section(rows, summary) + time_table(summary, categories) + whole_run(rows, summary, categories)
     lines += analysis(os.path.join(RESULTS, f"{args.name}.md"))
-    with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_markdown(RESULTS, args.name, lines)
     plot(rows, summary, target, meta, os.path.join(RESULTS, f"{args.name}.png"))
 
 
@@ -509,51 +515,37 @@ def plot(rows: list[dict], summary: list[dict], target: float, meta: dict, path:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rate", type=int, default=100, help="Mbit/s of the shaped link")
+    add_arguments(p, rate=(100, "Mbit/s of the shaped link"),
+                  max_epochs=(6, "the most a compressed setting may train"),
+                  eval_every=(8, "steps between evaluations"), repeats=3, pretrain_epochs=4,
+                  pretrain_lr=2e-3, train_samples=512, eval_samples=256, stdlib_files=120, batch_size=16,
+                  micro_batches=4, seq_len=128, lr=5e-4, seed=0, timeout=7200,
+                  peer_steps=(None, "run the peer for this many steps only and project its time to the target (it takes " "minutes a step on SmolLM2 over a slow link: the whole tied embedding's gradient)"),
+                  replicas=(1, "data-parallel pipelines (2: pipeline x data parallel, the methods of DP_METHODS, a star of " "stages x replicas namespaces)"),
+                  epochs=(4, "the uncompressed fine-tune (finetune_quality.py's)"),
+                  quick=(False, "1 pre-training epoch, 1-2 fine-tuning epochs, 3 methods"),
+                  replot=(False, "rewrite the table and plot from the saved JSON"))
     p.add_argument("--loopback", action="store_true", help="127.0.0.1, unshaped (no root needed)")
     p.add_argument("--model", default="toy", choices=["toy", "smollm2"],
                    help="toy: the small GPT-2 pre-trained here; smollm2: the real SmolLM2-135M (benchmarks/smollm2.py)")
-    p.add_argument("--peer_steps", type=int, default=None,
-                   help="run the peer for this many steps only and project its time to the target (it takes "
-                        "minutes a step on SmolLM2 over a slow link: the whole tied embedding's gradient)")
     p.add_argument("--stages", type=int, default=2, choices=sorted(SPLIT_POINTS),
                    help="pipeline stages, one process and namespace each (3: torch.distributed.pipelining not run)")
     p.add_argument("--shaped", type=int, nargs="+", default=None,
                    help="the boundaries shaped to --rate (default: all); the others are unshaped veth pairs")
-    p.add_argument("--replicas", type=int, default=1,
-                   help="data-parallel pipelines (2: pipeline x data parallel, the methods of DP_METHODS, a star of "
-                        "stages x replicas namespaces)")
     p.add_argument("--methods", nargs="+", default=None, choices=[*METHODS, *DP_METHODS],
                    help="default: METHODS, or DP_METHODS with --replicas 2")
-    p.add_argument("--epochs", type=int, default=4, help="the uncompressed fine-tune (finetune_quality.py's)")
-    p.add_argument("--max_epochs", type=int, default=6, help="the most a compressed setting may train")
-    p.add_argument("--eval_every", type=int, default=8, help="steps between evaluations")
     p.add_argument("--tolerance", type=float, default=0.0005,
                    help="relative: a run reaches the target at a loss at most this much above it")
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--stop_at_target", type=float, default=None,
                    help="a target from an earlier run, for exploratory runs only: compressed methods stop at their "
                         "first evaluation within --tolerance of it instead of training --max_epochs. The runs are "
                         "not bitwise reproducible across code changes and machines (the same configuration's steps "
                         "to target moved from 136 to 152), so results quoted in docs measure the target in the same "
                         "run: leave this unset and include 'ours, uncompressed'")
-    p.add_argument("--pretrain_epochs", type=int, default=4)
-    p.add_argument("--pretrain_lr", type=float, default=2e-3)
-    p.add_argument("--train_samples", type=int, default=512)
-    p.add_argument("--eval_samples", type=int, default=256)
-    p.add_argument("--stdlib_files", type=int, default=120)
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--micro_batches", type=int, default=4)
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=7200)
     p.add_argument("--data", default=None,
                    help="keep the pre-trained weights and tokens in this file and reuse them when it exists "
                         "(a run with the same data and pre-training arguments wrote it; default: a temporary file)")
     p.add_argument("--name", default="time_to_quality", help="results file name in benchmarks/results/")
-    p.add_argument("--quick", action="store_true", help="1 pre-training epoch, 1-2 fine-tuning epochs, 3 methods")
-    p.add_argument("--replot", action="store_true", help="rewrite the table and plot from the saved JSON")
     args = p.parse_args(argv)
     if args.replot:
         with open(os.path.join(RESULTS, f"{args.name}.json")) as f:

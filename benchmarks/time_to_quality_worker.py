@@ -6,7 +6,7 @@ evaluates it every `--eval_every` steps. The clock runs only while training: bef
 evaluation both ranks meet at a barrier and the clock stops; each rank writes its stage's
 weights to `--scratch`, both rebuild the whole model from the two files and evaluate half of
 the held-out blocks each (the link carries only the two sums). Every method runs in every
-round (`--repeats`), in the order of benchmarks/launch.py `round_order`.
+round (`--repeats`), in the order of benchmarks/harness.py `round_order`.
 
 Methods: torch.distributed.pipelining (Schedule1F1B over the same stage modules, plus the
 all-reduce of the tied embedding's gradient that a user has to write; 2 stages only), and
@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 from convergence import make_model
 from diloco_worker import interface_address
-from launch import busy_cpu_seconds, other_cpu_share, round_order
+from harness import add_arguments, busy_cpu_seconds, other_cpu_share, round_order
+from peer import build_peer
 from safetensors.torch import load_file, save_file
-from slow_link_worker import build_peer
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
@@ -70,7 +70,7 @@ METHODS: dict[str, tuple | None] = {
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q8": (warm(2), q(4), q(8)),
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4": (warm(2), q(4), q(4)),
     "ours, Hadamard fw4/bw8, tie q8": (h(4), h(8), q(8)),
-    # The stateless rung Plan.auto's ladders take on SmolLM2 (hf_actcomp/auto.py).
+    # The stateless rung Plan.auto's ladders take on SmolLM2 (hf_actcomp/plan/codec_choice.py).
     "ours, hadamard_outliers fw4/bw8, tie q8": (Compression("hadamard_outliers", bits=4), q(8), q(8)),
     # AQ-SGD with its deltas (and warm-up) through hadamard_outliers: what a real model's massive values need.
     "ours, AQ-SGD(h_o) fw4/bw8, warm-up h_o4, tie q8": (aq_outliers(4), q(8), q(8)),
@@ -402,23 +402,12 @@ def steady_state(end: dict, start_step: int, start: dict, end_step: int) -> dict
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--link", required=True)
-    p.add_argument("--data", required=True)
-    p.add_argument("--scratch", required=True)
+    add_arguments(p, required=("out", "link", "data", "scratch"),
+                  replicas=(1, "data-parallel pipelines (2: DP_METHODS)"), epochs=4, max_epochs=6,
+                  eval_every=8, batch_size=16, micro_batches=4, seq_len=128, lr=5e-4, seed=0, repeats=3,
+                  peer_steps=(None, "the peer stops after this many steps"))
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=[*METHODS, *DP_METHODS])
-    p.add_argument("--replicas", type=int, default=1, help="data-parallel pipelines (2: DP_METHODS)")
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--max_epochs", type=int, default=6)
-    p.add_argument("--eval_every", type=int, default=8)
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--micro_batches", type=int, default=4)
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--stages", type=int, default=2, choices=sorted(SPLIT_POINTS))
-    p.add_argument("--peer_steps", type=int, default=None, help="the peer stops after this many steps")
     p.add_argument("--stop_below", type=float, default=None,
                    help="compressed methods stop at the first evaluation at or below this loss")
     args = p.parse_args()

@@ -41,7 +41,7 @@ import time
 
 import torch
 import yaml
-from launch import busy_cpu_seconds, median, run_workers
+from harness import add_arguments, busy_cpu_seconds, loadavg, median, run_workers, write_markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -55,27 +55,20 @@ PARTS = ("data", "optimizer", "scheduler", "zero_grad", "logging", "comm_logs", 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
+    add_arguments(p, rounds=3, steps=(160, "optimizer steps per run"),
+                  warmup=(32, "steps left out of the steady state"), batch_size=8, seq_len=128, hidden=128,
+                  layers=4, quiet_wait=(120.0, "the longest such wait, seconds"), timeout=3600.0,
+                  train_samples=(128, "rows of 128 tokens (an epoch: rows / batch steps)"),
+                  quiet=(0.25, "before each run, wait until the machine's CPUs were at most this busy over 3 s (0: never)"),
+                  rewrite=(False, "rewrite the .md from the saved .json, running nothing"))
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--block", type=int, default=4, help="interleaved: steps of one method between the other's")
-    p.add_argument("--steps", type=int, default=160, help="optimizer steps per run")
-    p.add_argument("--warmup", type=int, default=32, help="steps left out of the steady state")
-    p.add_argument("--train_samples", type=int, default=128, help="rows of 128 tokens (an epoch: rows / batch steps)")
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--logging_steps", type=int, default=10)
     p.add_argument("--no_tqdm", action="store_true", help="the Trainer without its progress bar")
     p.add_argument("--plan", default=PLAN)
     p.add_argument("--profile", action="store_true", help="cProfile rank 0 (not for timings: it slows Python)")
-    p.add_argument("--quiet", type=float, default=0.25,
-                   help="before each run, wait until the machine's CPUs were at most this busy over 3 s (0: never)")
-    p.add_argument("--quiet_wait", type=float, default=120.0, help="the longest such wait, seconds")
-    p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--name", default="trainer_overhead")
     p.add_argument("--note", default="", help="a line for the results file (e.g. which code was measured)")
-    p.add_argument("--rewrite", action="store_true", help="rewrite the .md from the saved .json, running nothing")
     p.add_argument("--before", default=None, help="the name of an earlier run's results (other code) to show beside")
     return p.parse_args(argv)
 
@@ -243,15 +236,8 @@ def write(results: dict, meta: dict, name: str, before: dict | None = None) -> l
               f"{meta['machine']}. Load (/proc/loadavg, 1/5/15 min) before: {meta['loadavg_before']}; after: "
               f"{meta['loadavg_after']}. Other processes used {100 * meta['other_cpu_share']:.0f}% of the "
               f"{meta['cpus']} CPUs over the run (the machine's busy CPU time minus ours)."]
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_markdown(RESULTS, name, lines)
     return lines
-
-
-def loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
 
 
 def load(name: str | None) -> dict | None:
@@ -268,7 +254,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.rewrite:
         saved = load(args.name)
-        print("\n".join(write(saved["summaries"], saved["meta"], args.name, load(args.before))))
+        write(saved["summaries"], saved["meta"], args.name, load(args.before))
         return
     with open(args.plan, encoding="utf-8") as f:
         plan = yaml.safe_load(f)
@@ -295,7 +281,7 @@ def main(argv=None) -> None:
     results = summaries(saved)
     with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
         json.dump({**saved, "summaries": results}, f)
-    print("\n".join(write(results, meta, args.name, load(args.before))))
+    write(results, meta, args.name, load(args.before))
 
 
 def compact(rows: list[dict]) -> list[dict]:

@@ -45,7 +45,7 @@ import hf_actcomp
 from hf_actcomp.data import build_tokenizer, causal_lm_datasets, offline_corpus
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch import wait_until_quiet  # noqa: E402
+from harness import wait_until_quiet  # noqa: E402
 
 METHODS = ("loop", "trainer")
 

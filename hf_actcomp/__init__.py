@@ -14,8 +14,8 @@ from .simulate import SimulatedPipeline, simulate
 if TYPE_CHECKING:
     from . import hub, trackers
     from .samples import LogSamplesCallback
-    from .sft_trainer import ActCompSFTTrainer
-    from .trainer import ActCompTrainer
+    from .trainer.actcomp_trainer import ActCompTrainer
+    from .trainer.sft_trainer import ActCompSFTTrainer
 
 from .version import __version__
 
@@ -52,11 +52,11 @@ def __getattr__(name: str):
     """Import the Trainer integration and the Hub helpers on first use: worker processes that
     only run a pipeline do not pay for `transformers.Trainer`, `datasets` or the card renderer."""
     if name == "ActCompTrainer":
-        from .trainer import ActCompTrainer
+        from .trainer.actcomp_trainer import ActCompTrainer
 
         return ActCompTrainer
     if name == "ActCompSFTTrainer":  # needs TRL: `pip install 'hf-actcomp[trl]'`
-        from .sft_trainer import ActCompSFTTrainer
+        from .trainer.sft_trainer import ActCompSFTTrainer
 
         return ActCompSFTTrainer
     if name == "LogSamplesCallback":

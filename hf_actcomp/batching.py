@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .memory import check_sample_ids
+from .aqsgd_memory import check_sample_ids
 from .plan import Plan
 
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "sample_id")

@@ -14,7 +14,7 @@ import torch
 
 from .feedback import build_inference_codec, build_receiver, build_sender
 from .plan import Compression, MemoryConfig
-from .state_dict import prefixed, unprefixed  # re-exported: existing callers import them here
+from .state.keys import prefixed, unprefixed  # re-exported: existing callers import them here
 from .telemetry import ChannelStats
 
 

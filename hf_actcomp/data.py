@@ -39,14 +39,14 @@ def offline_corpus() -> list[str]:
 
 def build_tokenizer(texts: list[str], vocab_size: int = 1024) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on `texts` (seconds, no download)."""
-    from tokenizers import ByteLevelBPETokenizer
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=["<|endoftext|>"],
                             show_progress=False)
     return PreTrainedTokenizerFast(
-        tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        tokenizer_object=Tokenizer.from_str(bpe.to_str()), eos_token="<|endoftext|>", pad_token="<|endoftext|>",
         bos_token="<|endoftext|>", unk_token="<|endoftext|>",
     )
 

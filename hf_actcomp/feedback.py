@@ -17,11 +17,11 @@ from collections.abc import Sequence
 
 import torch
 
+from .aqsgd_memory import MemoryStore, check_sample_ids
 from .codecs import Codec, make_codec
-from .memory import MemoryStore, check_sample_ids
 from .plan import Compression, MemoryConfig
 from .plan.inference_form import resolve_inference
-from .state_dict import prefixed, unprefixed
+from .state.keys import prefixed, unprefixed
 
 logger = logging.getLogger(__name__)
 

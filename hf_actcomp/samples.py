@@ -18,8 +18,8 @@ from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback, WandbCallback
 
 from . import hub
-from .generation import check_split_generation
 from .models import unwrap_peft
+from .split_generation import check_split_generation
 
 SAMPLES_KEY = "samples"  # where actcomp_results.json keeps them
 
@@ -121,6 +121,7 @@ def log_to_trackers(callbacks: list, rows: list[dict], step: int) -> None:
         if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
             callback.tb_writer.add_text(SAMPLES_KEY, markdown_table(rows), global_step=step)
             callback.tb_writer.flush()
+        # WandbCallback keeps its `wandb` module private; it is the run the callback logs to.
         elif isinstance(callback, WandbCallback) and getattr(callback._wandb, "run", None) is not None:
             table = callback._wandb.Table(columns=["step", "prompt", "completion"],
                                           data=[[r["step"], r["prompt"], r["completion"]] for r in rows])

@@ -24,13 +24,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .batching import MicroBatch, check_batch, count_label_tokens, micro_batch_count, split_batch
 from .boundary import Boundary
-from .checkpoint import CompressionState, model_fingerprint
 from .models import get_adapter
 from .models.compile import compile_blocks, compile_options
 from .models.router import RouterLoss, router_spec
 from .models.split import stage_ranges
 from .pipeline.tie import TieCompressor, exact_rows_nbytes
 from .plan import Plan
+from .state.compression import CompressionState, model_fingerprint
 from .telemetry import TrafficCounter, summarize
 
 # Keyword arguments that HF training loops pass and that do not change the computation here.

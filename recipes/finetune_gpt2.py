@@ -29,15 +29,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, defaul
 
 import hf_actcomp
 from hf_actcomp.data import build_tokenizer, causal_lm_datasets, offline_corpus
-from hf_actcomp.resume import (
+from hf_actcomp.samples import complete
+from hf_actcomp.state.resume import (
     checkpoint_dir,
     init_distributed,
     maybe_pause_for_fault_test,
     resolve_resume_from_checkpoint,
     writing_checkpoint,
 )
-from hf_actcomp.samples import complete
-from hf_actcomp.training_state import load_training_state, save_training_state
+from hf_actcomp.state.training_state import load_training_state, save_training_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PLAN = os.path.join(HERE, "configs", "plan_aqsgd_fw4_bw8.yaml")
@@ -111,9 +111,8 @@ def parse_compression(spec: str) -> dict:
 
 
 def load_plan(path: str, num_samples: int, args: argparse.Namespace) -> hf_actcomp.Plan:
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) if path.endswith((".yaml", ".yml")) else json.load(f)
-    memory = data.setdefault("memory", {})
+    data = hf_actcomp.Plan.from_file(path).to_dict()
+    memory = data["memory"]
     if memory.get("num_samples") is None:
         memory["num_samples"] = num_samples
     if args.num_stages is not None:

@@ -21,7 +21,7 @@ from finetune_gpt2 import build_model, build_parser, check_hub_args, load_data, 
 from transformers import AutoTokenizer, TrainingArguments, default_data_collator, set_seed
 
 import hf_actcomp
-from hf_actcomp.resume import init_distributed
+from hf_actcomp.state.resume import init_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -69,14 +69,8 @@ class ActCompArguments:
 
 
 def load_plan(path: str | None) -> hf_actcomp.Plan:
-    if path is None:
-        return hf_actcomp.Plan(num_stages=2)
-    import json
-
-    import yaml
-
-    with open(path, encoding="utf-8") as f:
-        return hf_actcomp.Plan.from_dict(yaml.safe_load(f) if path.endswith((".yaml", ".yml")) else json.load(f))
+    """The plan in `path` (JSON or YAML), or two stages without compression."""
+    return hf_actcomp.Plan(num_stages=2) if path is None else hf_actcomp.Plan.from_file(path)
 
 
 def preprocess_logits_for_metrics(logits, labels):

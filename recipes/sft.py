@@ -17,7 +17,6 @@ default here) or `--use_cpu true`.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
@@ -69,12 +68,8 @@ def offline_rows(kind: str, count: int) -> datasets.Dataset:
 
 
 def load_plan(path: str | None) -> hf_actcomp.Plan:
-    if path is None:
-        return hf_actcomp.Plan(num_stages=2)
-    import yaml
-
-    with open(path, encoding="utf-8") as f:
-        return hf_actcomp.Plan.from_dict(yaml.safe_load(f) if path.endswith((".yaml", ".yml")) else json.load(f))
+    """The plan in `path` (JSON or YAML), or two stages without compression."""
+    return hf_actcomp.Plan(num_stages=2) if path is None else hf_actcomp.Plan.from_file(path)
 
 
 def main(argv: list[str] | None = None) -> dict:

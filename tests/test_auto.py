@@ -14,7 +14,10 @@ from distributed import linked_namespaces, run_workers
 from pipeline_cases import simulated_sgd_losses, training_batches
 
 from hf_actcomp import Compression, MemoryConfig, Plan, prepare, simulate
-from hf_actcomp.auto import (
+from hf_actcomp.cli import main
+from hf_actcomp.debug import debug_model
+from hf_actcomp.plan import AutoConfig
+from hf_actcomp.plan.codec_choice import (
     EXTRA_STEPS,
     LADDERS,
     MEASURED,
@@ -33,9 +36,6 @@ from hf_actcomp.auto import (
     payload_nbytes,
     step_cost,
 )
-from hf_actcomp.cli import main
-from hf_actcomp.debug import debug_model
-from hf_actcomp.plan import AutoConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = (4, 128, 128)  # one micro-batch: 262144 bytes in fp32
@@ -271,7 +271,7 @@ def test_plan_auto_is_checked_and_round_trips(tmp_path):
 
 def test_the_card_shows_the_choice_and_what_was_measured(tmp_path):
     from hf_actcomp import hub
-    from hf_actcomp.auto import plan_boundaries
+    from hf_actcomp.plan.codec_choice import plan_boundaries
 
     measured = Measurements(compute=[0.03, 0.03], links=[{"forward": Link(10 * MBIT, 0.02),
                                                           "backward": Link(20 * MBIT, 0.02)}], payload_shape=SHAPE,

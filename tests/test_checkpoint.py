@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_actcomp import Compression, MemoryConfig, Plan
-from hf_actcomp.checkpoint import load_state, save_state
+from hf_actcomp.state.compression import load_state, save_state
 
 
 def metadata(plan: Plan, stage: int = 0, world_size: int = 2, blocks=(0, 2)) -> dict:

@@ -12,7 +12,8 @@ from huggingface_hub import ModelCard
 from trainer_cases import pad_collator, ragged_dataset, training_args
 
 from hf_actcomp import ActCompTrainer, Compression, Plan, trackers
-from hf_actcomp.cli import main, parse_link
+from hf_actcomp.cli import main
+from hf_actcomp.cli.estimate import parse_link
 from hf_actcomp.debug import debug_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

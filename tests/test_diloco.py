@@ -524,10 +524,10 @@ def test_trainer_refuses_a_replica_launch_of_the_wrong_size(tmp_path, monkeypatc
     """A DiLoCo replica launched on its own (REPLICA_GROUP_ID) has one process per stage."""
     from trainer_cases import training_args
 
-    from hf_actcomp.trainer import _check_arguments
+    from hf_actcomp.trainer.actcomp_trainer import check_arguments
 
     plan = Plan(num_stages=2, data_parallel=2, dp_compression={"method": "diloco"})
     monkeypatch.setenv("REPLICA_GROUP_ID", "1")
     with pytest.raises(ValueError, match="launched on its own \\(REPLICA_GROUP_ID\\) needs Plan.num_stages=2 "
                                          "processes, but this job has 1"):
-        _check_arguments(training_args(str(tmp_path)), plan, {})
+        check_arguments(training_args(str(tmp_path)), plan, {})

@@ -8,7 +8,11 @@ from distributed import WORKERS, free_port, run_workers
 from transformers import GenerationConfig
 
 from hf_actcomp.debug import debug_model
-from hf_actcomp.generation import check_generation_mode, check_split_generation, generation_pieces
+from hf_actcomp.split_generation import (
+    check_generation_mode,
+    check_split_generation,
+    generation_pieces,
+)
 
 # mixtral-aux: with output_router_logits, whose side channel on the links carries zeros here
 FAMILIES = ["gpt2", "opt", "llama", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "mixtral-aux"]
@@ -192,7 +196,7 @@ def test_pipeline_generate_refuses_beam_search_before_any_work(monkeypatch):
 
     import hf_actcomp
     from hf_actcomp import Plan
-    from hf_actcomp.pipeline import generate
+    from hf_actcomp.pipeline import split_generator as generate
 
     model = debug_model("llama", seed=0).eval()
     ids = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
@@ -243,7 +247,7 @@ def test_an_adapter_without_a_cached_forward_is_refused_before_any_work():
     """The cached-forward methods are optional (a training-only adapter still trains): every
     shipped family has them, and split generation refuses an adapter that lacks them, naming them."""
     from hf_actcomp import get_adapter
-    from hf_actcomp.generation import CachedStage
+    from hf_actcomp.split_generation import CachedStage
 
     model = debug_model("gpt2", seed=0)
     adapter = get_adapter(model)

@@ -12,8 +12,8 @@ from trainer_cases import lora_model, pad_collator, ragged_dataset, training_arg
 
 import hf_actcomp
 from hf_actcomp import ActCompTrainer, Compression, Plan, hub
-from hf_actcomp.card import _is_repo_id
 from hf_actcomp.debug import debug_model
+from hf_actcomp.hub.card import _is_repo_id
 
 AQSGD = Plan(num_stages=2, forward=Compression("aqsgd", bits=4), backward=Compression("quantize", bits=8))
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_actcomp import MemoryConfig
-from hf_actcomp.memory import MemoryStore, check_sample_ids
+from hf_actcomp.aqsgd_memory import MemoryStore, check_sample_ids
 
 
 @pytest.mark.parametrize("store", ["device", "host", "mmap"])
@@ -77,14 +77,14 @@ def test_size_is_logged_before_allocation(caplog):
 
     mem = MemoryStore(1000, MemoryConfig(num_samples=1000, dtype="fp16"), name="boundary0")
     assert mem.nbytes_for((128, 768)) == 1000 * 128 * 768 * 2
-    with caplog.at_level(logging.INFO, logger="hf_actcomp.memory"):
+    with caplog.at_level(logging.INFO, logger="hf_actcomp.aqsgd_memory"):
         mem.write(torch.tensor([0]), torch.zeros(1, 128, 768))
     assert "boundary0: 1000 samples x (128, 768) x fp16 = 187.50 MiB (host store)" in caplog.text
 
 
 @pytest.mark.parametrize("store, where", [("device", "cpu"), ("host", "cpu")])
 def test_a_store_larger_than_free_memory_is_refused_before_allocation(monkeypatch, store, where):
-    from hf_actcomp import memory
+    from hf_actcomp import aqsgd_memory as memory
 
     asked = []
     monkeypatch.setattr(memory, "free_memory_bytes", lambda device: asked.append(device.type) or 2**20)
@@ -102,7 +102,7 @@ def test_a_store_larger_than_free_memory_is_refused_before_allocation(monkeypatc
 
 
 def test_free_memory_is_known_on_this_host():
-    from hf_actcomp.memory import free_memory_bytes
+    from hf_actcomp.aqsgd_memory import free_memory_bytes
 
     assert free_memory_bytes(torch.device("cpu")) > 2**20
 
@@ -217,7 +217,7 @@ def _anonymous_rss() -> int:
 def test_mmap_memory_goes_from_checkpoint_to_table_without_a_copy_in_ram(tmp_path):
     """A resumed mmap store is allocated at load and filled from a memory map of the checkpoint:
     the process's anonymous memory does not grow by the table's size (load_file would add 128 MiB)."""
-    from hf_actcomp.checkpoint import load_state, save_state
+    from hf_actcomp.state.compression import load_state, save_state
 
     config = MemoryConfig(store="mmap", dtype="fp32", num_samples=128, path=str(tmp_path / "a"))
     a = MemoryStore(128, config)
@@ -238,8 +238,8 @@ def test_mmap_memory_goes_from_checkpoint_to_table_without_a_copy_in_ram(tmp_pat
 
 def test_replica_shards_and_their_sample_ids():
     from hf_actcomp import Compression
+    from hf_actcomp.aqsgd_memory import replica_sample_range
     from hf_actcomp.feedback import AQSGDReceiver
-    from hf_actcomp.memory import replica_sample_range
 
     assert [replica_sample_range(10, 2, r) for r in (0, 1)] == [range(0, 5), range(5, 10)]
     assert replica_sample_range(11, 3, 2) == range(6, 9)  # like shard_dataset: the last 11 % 3 rows dropped

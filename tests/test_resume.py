@@ -14,14 +14,14 @@ from pipeline_cases import NUM_SAMPLES, training_batches
 import hf_actcomp
 from hf_actcomp import Compression, MemoryConfig, Plan, simulate
 from hf_actcomp.debug import debug_model
-from hf_actcomp.resume import (
+from hf_actcomp.state.resume import (
     COMPLETE_MARKER,
     checkpoint_dir,
     latest_checkpoint,
     resolve_resume_from_checkpoint,
     writing_checkpoint,
 )
-from hf_actcomp.training_state import load_training_state, save_training_state
+from hf_actcomp.state.training_state import load_training_state, save_training_state
 
 AQSGD = Plan(num_stages=2, micro_batches=2, forward=Compression("aqsgd", bits=4),
              backward=Compression("quantize", bits=8, feedback="ef"),
@@ -47,7 +47,7 @@ def test_auto_picks_the_newest_complete_checkpoint_and_says_which_it_skips(tmp_p
     torn = write(tmp_path, 8)
     with open(os.path.join(torn, "part.bin"), "wb") as f:
         f.write(b"x" * 3)
-    with caplog.at_level(logging.WARNING, logger="hf_actcomp.resume"):
+    with caplog.at_level(logging.WARNING, logger="hf_actcomp.state.resume"):
         assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 4)
     assert "checkpoint-8" in caplog.text and "has 3 bytes, 10 when it was written" in caplog.text
     assert "checkpoint-6" in caplog.text and f"no {COMPLETE_MARKER}" in caplog.text

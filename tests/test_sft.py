@@ -186,7 +186,7 @@ def test_model_by_name_takes_model_init_kwargs(tmp_path):
 
 def test_without_trl_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "trl", None)
-    monkeypatch.delitem(sys.modules, "hf_actcomp.sft_trainer", raising=False)
+    monkeypatch.delitem(sys.modules, "hf_actcomp.trainer.sft_trainer", raising=False)
     import hf_actcomp
 
     with pytest.raises(ImportError, match=r"pip install 'hf-actcomp\[trl\]'"):

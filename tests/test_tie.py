@@ -190,7 +190,7 @@ def test_plan_validation_and_serialisation():
 
 
 def test_checkpoint_fingerprint_names_the_tie(tmp_path):
-    from hf_actcomp import checkpoint
+    from hf_actcomp.state import compression as checkpoint
 
     saved = Plan(tie_compression=Compression("quantize", bits=8))
     checkpoint.save_state(tmp_path, 0, {"x": torch.zeros(1)}, {"plan": saved.to_dict()})

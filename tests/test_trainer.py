@@ -27,9 +27,9 @@ from transformers import Trainer, TrainingArguments
 import hf_actcomp
 from hf_actcomp import ActCompTrainer, Compression, MemoryConfig, Plan
 from hf_actcomp.debug import debug_model
-from hf_actcomp.trainer import PadToLength, _check_arguments
-from hf_actcomp.trainer_backends import OneProcess, Pipelined
-from hf_actcomp.trainer_checks import _check_overrides
+from hf_actcomp.trainer.actcomp_trainer import PadToLength, check_arguments
+from hf_actcomp.trainer.backends import OneProcess, Pipelined
+from hf_actcomp.trainer.checks import check_overrides
 
 
 def _logged(trainer, key: str) -> list[float]:
@@ -213,7 +213,7 @@ def test_auto_resume_skips_a_torn_checkpoint_and_continues_exactly(tmp_path, cap
         shutil.copytree(tmp_path / "straight" / f"checkpoint-{step}", tmp_path / "killed" / f"checkpoint-{step}")
     os.remove(tmp_path / "killed" / "checkpoint-4" / "actcomp_complete.json")
     resumed_model, resumed = trainer_for("killed")
-    with caplog.at_level("WARNING", logger="hf_actcomp.resume"):
+    with caplog.at_level("WARNING", logger="hf_actcomp.state.resume"):
         resumed.train(resume_from_checkpoint="auto")
     assert "Skipping the incomplete checkpoint" in caplog.text and "checkpoint-4" in caplog.text
     assert f"resuming from {tmp_path / 'killed' / 'checkpoint-2'}" in caplog.text
@@ -259,14 +259,14 @@ def test_refused_before_training(name, value, message):
                            label_smoothing_factor=0.0, world_size=1, report_to=[], push_to_hub=False)
     setattr(args, name, value)
     with pytest.raises(ValueError, match=message):
-        _check_arguments(args, Plan(num_stages=2), {})
+        check_arguments(args, Plan(num_stages=2), {})
 
 
 def test_refuses_optimizer_from_outside_with_several_processes():
     args = SimpleNamespace(deepspeed=None, fsdp=None, fp16=False, torch_compile=False, gradient_checkpointing=False,
                            label_smoothing_factor=0.0, world_size=2, report_to=[], push_to_hub=False)
     with pytest.raises(ValueError, match="does not take optimizers="):
-        _check_arguments(args, Plan(num_stages=2), {"optimizers": (torch.optim.SGD([torch.zeros(1)], lr=1), None)})
+        check_arguments(args, Plan(num_stages=2), {"optimizers": (torch.optim.SGD([torch.zeros(1)], lr=1), None)})
 
 
 def test_refused_with_several_processes():
@@ -277,19 +277,19 @@ def test_refused_with_several_processes():
                                          accelerator_config=SimpleNamespace(dispatch_batches=None)), **overrides})
 
     with pytest.raises(ValueError, match="dispatch_batches=True: it deals one batch's slices"):
-        _check_arguments(args(accelerator_config=SimpleNamespace(dispatch_batches=True)), Plan(num_stages=2), {})
+        check_arguments(args(accelerator_config=SimpleNamespace(dispatch_batches=True)), Plan(num_stages=2), {})
     with pytest.raises(ValueError, match=r"torch_compile=True\)\) with Plan\(schedule='zbh1'\)"):
-        _check_arguments(args(torch_compile=True), Plan(num_stages=2, schedule="zbh1"), {})
+        check_arguments(args(torch_compile=True), Plan(num_stages=2, schedule="zbh1"), {})
     for name, value, message in (("auto_find_batch_size", True, "shrink one stage's batch alone"),
                                  ("bf16_full_eval", True, "boundary's dtype is fixed"),
                                  ("enable_jit_checkpoint", True, "at a different step"),
                                  ("ddp_bucket_cap_mb", 25, "never wraps a stage in DDP"),
                                  ("ddp_find_unused_parameters", False, "never wraps a stage in DDP")):
         with pytest.raises(ValueError, match=f"several processes does not support TrainingArguments\\({name}=.*{message}"):
-            _check_arguments(args(**{name: value}), Plan(num_stages=2), {})
-        _check_arguments(args(**{name: value}, world_size=1), Plan(num_stages=2), {})  # Trainer's in one process
-    _check_arguments(args(torch_compile=True), Plan(num_stages=2), {})  # 1f1b compiles
-    _check_arguments(args(torch_compile=True, world_size=1), Plan(num_stages=2, schedule="zbh1"), {})  # in-process
+            check_arguments(args(**{name: value}), Plan(num_stages=2), {})
+        check_arguments(args(**{name: value}, world_size=1), Plan(num_stages=2), {})  # Trainer's in one process
+    check_arguments(args(torch_compile=True), Plan(num_stages=2), {})  # 1f1b compiles
+    check_arguments(args(torch_compile=True, world_size=1), Plan(num_stages=2, schedule="zbh1"), {})  # in-process
 
 
 def test_evaluation_without_the_second_pass(tmp_path):
@@ -347,7 +347,7 @@ def test_pipelined_evaluation_hands_every_batch_key_to_the_stages():
     """Evaluation with several processes passes the batch as training does, every key, so a key
     the stages cannot take fails there with training's error instead of being dropped."""
     from hf_actcomp.batching import check_batch
-    from hf_actcomp.trainer_evaluation import pipelined_prediction_step
+    from hf_actcomp.trainer.evaluation import pipelined_prediction_step
 
     seen = []
     pipe = SimpleNamespace(eval_step=lambda batch, **kwargs: seen.append(sorted(batch)) or SimpleNamespace(loss=None),
@@ -572,10 +572,10 @@ def test_overrides_the_stages_would_bypass_are_refused_with_several_processes(tm
     parent's, stops construction naming the method and what to do; in one process compute_loss
     is honoured as Trainer honours it."""
     with pytest.raises(ValueError, match=r"_DoublingLoss.compute_loss would be bypassed.*model.loss_function"):
-        _check_overrides(_DoublingLoss, pipelined=True)
+        check_overrides(_DoublingLoss, pipelined=True)
     with pytest.raises(ValueError, match=r"_ReplacingStep.training_step does not call super\(\).training_step"):
-        _check_overrides(_ReplacingStep, pipelined=True)
-    _check_overrides(extending_trainer(), pipelined=True)  # every override calls super()
+        check_overrides(_ReplacingStep, pipelined=True)
+    check_overrides(extending_trainer(), pipelined=True)  # every override calls super()
     # Construction itself refuses, before any process group or model work.
     monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
     with pytest.raises(ValueError, match="compute_loss would be bypassed"):
@@ -749,7 +749,7 @@ def _saved_state_keys(checkpoint: str, rank: int) -> set[str]:
     """Names of the compression-state tensors rank `rank` saved in `checkpoint`."""
     from safetensors import safe_open
 
-    from hf_actcomp.checkpoint import COMPRESSION_STATE_DIR
+    from hf_actcomp.state.compression import COMPRESSION_STATE_DIR
 
     keys: set[str] = set()
     for path in glob.glob(os.path.join(checkpoint, COMPRESSION_STATE_DIR, f"rank{rank}*.safetensors")):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import checkpoint
+from ..state import compression as compression_files
 from .base import HOOKS, GradientCompressor, available_hooks, register_hook, ring_allreduce_bytes
 from .marsit import MarsitCompressor, merge_signs
 from .powersgd import PowerSGDCompressor
@@ -82,6 +82,7 @@ def register(ddp_model: DistributedDataParallel, name: str, *, process_group: di
             f"hf_actcomp.dp.register needs a torch DistributedDataParallel model (e.g. from accelerator.prepare "
             f"in a multi-process run), got {type(ddp_model).__name__}."
         )
+    # our own marker on the user's DDP object: DDP exposes no getter for a registered comm hook
     if getattr(ddp_model, "_actcomp_hook", None) is not None:
         raise RuntimeError(
             f"This DDP model already has the hf-actcomp hook '{ddp_model._actcomp_hook.name}'; a DDP model takes "
@@ -115,13 +116,13 @@ def register(ddp_model: DistributedDataParallel, name: str, *, process_group: di
 def save_state(state, directory: str | os.PathLike) -> None:
     """Write this rank's hook state (safetensors + JSON), e.g. next to `accelerator.save_state`."""
     meta = {"plan": {"dp_hook": state.name}, "world_size": dist.get_world_size(), "stage": None, "blocks": None}
-    checkpoint.save_state(directory, dist.get_rank(), state.state_dict(), meta)
+    compression_files.save_state(directory, dist.get_rank(), state.state_dict(), meta)
 
 
 def load_state(state, directory: str | os.PathLike) -> None:
     """Read this rank's hook state written by `save_state` for the same hook and world size."""
     meta = {"plan": {"dp_hook": state.name}, "world_size": dist.get_world_size(), "stage": None, "blocks": None}
-    state.load_state_dict(checkpoint.load_state(directory, dist.get_rank(), meta))
+    state.load_state_dict(compression_files.load_state(directory, dist.get_rank(), meta))
 
 
 __all__ = [

@@ -32,7 +32,7 @@ import time
 import torch
 from torch import nn
 
-from ..resume import maybe_pause_for_fault_test
+from ..state.resume import maybe_pause_for_fault_test
 from .diloco import PseudoGradientCodec
 from .exchange import PseudoGradientExchange
 from .fragments import split_fragments

@@ -7,7 +7,7 @@ attention mask alone, so only hidden states ever cross a stage boundary.
 
 It also mirrors the same forward with a KV cache, on the new tokens only (`embed_cached`,
 `block_context_cached`, `run_block_cached`, `head_cached`), which split generation
-(`hf_actcomp.generation.CachedStage`, `Pipeline.generate`) runs in the same order.
+(`hf_actcomp.split_generation.CachedStage`, `Pipeline.generate`) runs in the same order.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from transformers import Cache, PreTrainedModel
 
 class CachedForward(Protocol):
     """The forward with a KV cache, on the new tokens only, that split generation
-    (`hf_actcomp.generation.CachedStage`) runs in `StageModule.forward`'s order: the methods an
+    (`hf_actcomp.split_generation.CachedStage`) runs in `StageModule.forward`'s order: the methods an
     adapter adds to `ModelAdapter` to generate split (`ModelAdapter.has_cached_forward`).
 
     Positions and masks come from the 2-D mask as `generate` builds them (positions
@@ -188,7 +188,7 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
     *parents, leaf = path.split(".")
     node = root
     for name in parents:
-        child = node._modules.get(name)
+        child = dict(node.named_children()).get(name)
         if child is None:
             child = _Container()
             node.add_module(name, child)

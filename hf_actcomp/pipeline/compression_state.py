@@ -12,13 +12,13 @@ import os
 
 import torch
 
-from ..checkpoint import (
-    COMPRESSION_STATE_DIR,
+from ..state.compression import (
     DEFAULT_MAX_SHARD_SIZE,
     CompressionState,
     model_fingerprint,
+    register_state_hooks,
 )
-from .autotune import AutoTuner
+from .auto_tuner import AutoTuner
 from .runner import StageRunner
 from .tie import TiedEmbedding
 
@@ -76,7 +76,7 @@ class CompressionStateMixin:
         """Under `Plan.auto`: take back the codecs chosen when the compression state in `directory`
         was saved (its metadata holds the plan), so that the state loads into the ends it belongs
         to. A no-op for any other plan. `load_compression_state` calls it; call it yourself before
-        reading the state another way (`hf_actcomp.training_state.load_training_state`)."""
+        reading the state another way (`hf_actcomp.state.training_state.load_training_state`)."""
         if self.autotuner is not None and self.autotuner.restore(directory, self.compression.rank,
                                                                    self._optimizer_steps):
             self.compression = self._compression_state()
@@ -87,11 +87,5 @@ class CompressionStateMixin:
         saves custom objects on the main process only). The hooks read the state when they run,
         so codecs that Plan.auto chooses or switches to after this call are the ones saved, and a
         load takes the saved codecs back first."""
-        def save_hook(models, weights, output_dir):
-            self.save_compression_state(os.path.join(output_dir, COMPRESSION_STATE_DIR))
-
-        def load_hook(models, input_dir):
-            self.load_compression_state(os.path.join(input_dir, COMPRESSION_STATE_DIR))
-
-        accelerator.register_save_state_pre_hook(save_hook)
-        accelerator.register_load_state_pre_hook(load_hook)
+        register_state_hooks(accelerator, lambda d: self.save_compression_state(d),  # looked up when the hook runs
+                             lambda d: self.load_compression_state(d))

@@ -14,15 +14,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..aqsgd_memory import replica_sample_range
 from ..dp import make_compressor
-from ..memory import replica_sample_range
 from ..models import ModelAdapter, get_adapter
 from ..models.compile import compile_blocks, compile_options
 from ..models.router import RouterLoss, router_spec
 from ..models.split import stage_ranges
 from ..plan import Plan
+from ..state.weight_shards import free_other_parameters
 from ..telemetry import TrafficCounter
-from .checkpointing import free_other_parameters
 from .mesh import PipelineMesh, check_world_size
 from .tie import check_tied_embeddings
 

@@ -22,13 +22,12 @@ from ..batching import check_batch, count_label_tokens, micro_batch_count, split
 from ..boundary import Boundary
 from ..models import unwrap_peft
 from ..plan import Plan
+from ..state.weight_shards import StageWeights
 from . import construction as build
-from .autotune import AutoTuner
-from .checkpointing import StageWeights
+from .auto_tuner import AutoTuner
 from .compression_state import CompressionStateMixin
 from .evaluation import Evaluation
 from .executor import run_actions
-from .generate import SplitGenerationMixin, SplitGenerator
 from .gradsync import GradientSync
 from .link import naming_the_step
 from .loading import load_stage_model
@@ -36,6 +35,7 @@ from .mesh import build_mesh
 from .predictions import share_from_last
 from .replicas import ReplicasMixin, StepCollectives, outer_sync
 from .runner import StageRunner
+from .split_generator import SplitGenerationMixin, SplitGenerator
 from .stats import StageStats, TelemetryMixin
 from .tie import stage_tie
 from .transport import Transport

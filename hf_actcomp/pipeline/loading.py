@@ -123,8 +123,8 @@ def assign_parameters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> Non
         done.add(id(param))
         new = nn.Parameter(tensor.to(param.dtype) if tensor.is_floating_point() and param.dtype.is_floating_point
                            and param.device.type != "meta" else tensor, requires_grad=param.requires_grad)
-        for module, attr in holders[id(param)]:
-            module._parameters[attr] = new
+        for module, attr in holders[id(param)]:  # every module sharing the tensor (tied weights)
+            module.register_parameter(attr, new)
 
 
 def _conversion_hint(model: nn.Module) -> str:

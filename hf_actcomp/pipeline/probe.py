@@ -10,7 +10,7 @@
   the bandwidth is known only to be at least the payload over a tenth of the transfer, and is
   reported as that lower bound (`Link.at_least`).
 - Decision: every rank's measurements go to global rank 0 (an all-gather of a few numbers), which
-  runs `hf_actcomp.auto.choose` and broadcasts the decision as JSON; every rank applies that.
+  runs `hf_actcomp.plan.codec_choice.choose` and broadcasts the decision as JSON; every rank applies that.
 
 `HF_ACTCOMP_AUTO_FAKE_LINKS` (a test hook, read on rank 0 only) replaces measured values before
 the choice, e.g. `{"1": {"forward": {"bandwidth_mbit_s": 10}}}` to act as if boundary 1's
@@ -28,8 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..auto import Link, Measurements, choose
 from ..plan import AutoConfig
+from ..plan.codec_choice import Link, Measurements, choose
 from ..telemetry import TrafficCounter
 from .mesh import PipelineMesh
 from .transport import Transport

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..boundary import Boundary
 from ..telemetry import ChannelStats, TrafficCounter, summarize
-from .autotune import AutoTuner
+from .auto_tuner import AutoTuner
 from .gradsync import GradientSync
 from .mesh import PipelineMesh
 from .runner import StageRunner

@@ -1,6 +1,6 @@
 """A trained pipeline as one Transformers checkpoint, saved locally or pushed to the Hub.
 
-`StageWeights` (checkpointing.py) writes and reads each stage's tensors; this adds what makes the
+`StageWeights` (state/weight_shards.py) writes and reads each stage's tensors; this adds what makes the
 folder a release: the plan, the measured traffic and the model card (rank 0), and the upload.
 `WeightsMixin` gives `Pipeline` these as methods, so that engine.py keeps the steps.
 """
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan import Plan
-from .checkpointing import StageWeights
+from ..state.weight_shards import StageWeights
 
 
 def save_pretrained(weights: StageWeights, save_directory: str | os.PathLike, model: nn.Module, *, plan: Plan,

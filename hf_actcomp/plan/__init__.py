@@ -13,7 +13,7 @@ Import from here: `from hf_actcomp.plan import Plan`.
 
 from typing import Any  # noqa: F401 -- the classes' annotations resolve here (`typing.get_type_hints`)
 
-from .auto import AUTO_QUALITY, AutoConfig
+from .auto_config import AUTO_QUALITY, AutoConfig
 from .compression import (
     AQSGD,
     AQSGD_INNER,
@@ -23,9 +23,9 @@ from .compression import (
     Compression,
     compression_methods,
 )
-from .config import CONFIG_NAME, FORMAT_VERSION, _check_choice
+from .config import CONFIG_NAME, FORMAT_VERSION, check_choice
 from .diloco import DILOCO, REPLICA_ENV, DiLoCoConfig
-from .memory import MEMORY_DTYPES, MEMORY_STORES, MemoryConfig
+from .memory_config import MEMORY_DTYPES, MEMORY_STORES, MemoryConfig
 from .plan import SCHEDULES, Plan, launched_per_replica
 
 # The classes name this package as their module, as before it was split: pickles keep reading
@@ -53,7 +53,7 @@ __all__ = [
     "Plan",
     "REPLICA_ENV",
     "SCHEDULES",
-    "_check_choice",
+    "check_choice",
     "compression_methods",
     "launched_per_replica",
 ]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..codecs import CODECS, available_codecs
-from .config import _check_choice, _known_fields
+from .config import check_choice, known_fields
 
 # `aqsgd` is a method, not a codec: it wraps one of these (`inner`) with a per-sample memory. Every
 # other method is a registered codec, and only those are stateless enough for a warm-up
@@ -107,8 +107,8 @@ class Compression:
                 "A codec of your own must be registered (hf_actcomp.register_codec) in every process before "
                 "the plan is built or read."
             )
-        _check_choice(owner, "feedback", self.feedback, FEEDBACK_KINDS)
-        _check_choice(owner, "inner", self.inner, AQSGD_INNER)
+        check_choice(owner, "feedback", self.feedback, FEEDBACK_KINDS)
+        check_choice(owner, "inner", self.inner, AQSGD_INNER)
         self.first_visit = _check_first_visit(self.first_visit)
         self.inference = _check_inference(self.inference)
         if not isinstance(self.group_size, int) or self.group_size < 1:
@@ -138,7 +138,7 @@ class Compression:
         for key in (name for name in names if name not in codec.params):
             allowed = _registered_choices(key)
             if allowed:
-                _check_choice("Compression", key, getattr(self, key), allowed)
+                check_choice("Compression", key, getattr(self, key), allowed)
 
     @property
     def codec_name(self) -> str:
@@ -167,7 +167,7 @@ def _read_compression(value: dict[str, Any], owner: str) -> Compression:
     """A `Compression` from its dict (JSON, YAML), warning about keys a newer version may have
     added; a bad value fails with `owner` in front of the message."""
     try:
-        return Compression(**_known_fields(Compression, value, owner))
+        return Compression(**known_fields(Compression, value, owner))
     except ValueError as err:
         raise ValueError(f"{owner}: {err}") from err
 
@@ -215,7 +215,7 @@ def _check_inference(value: Any) -> str | Compression:
     )
 
 
-def _stateless_compression(value: Any, owner: str) -> Compression:
+def stateless_compression(value: Any, owner: str) -> Compression:
     """A stateless `Compression` (or its dict) for a part that keeps its own error feedback."""
     if isinstance(value, dict):
         value = _read_compression(value, owner)

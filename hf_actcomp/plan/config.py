@@ -24,12 +24,12 @@ CONFIG_NAME = "actcomp_config.json"
 FORMAT_VERSION = 1
 
 
-def _check_choice(owner: str, name: str, value: Any, allowed: Sequence[Any]) -> None:
+def check_choice(owner: str, name: str, value: Any, allowed: Sequence[Any]) -> None:
     if value not in allowed:
         raise ValueError(f"{owner}.{name}={value!r} is not valid. Allowed values: {', '.join(map(str, allowed))}.")
 
 
-def _known_fields(cls: type, data: dict[str, Any], owner: str) -> dict[str, Any]:
+def known_fields(cls: type, data: dict[str, Any], owner: str) -> dict[str, Any]:
     """Drop (with a warning) keys a newer version may have added; keep the known ones."""
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - names)
@@ -59,7 +59,7 @@ class ConfigMixin:
                 "actcomp config format_version %s is newer than this hf-actcomp (%s); "
                 "unknown fields are ignored.", version, FORMAT_VERSION,
             )
-        return cls(**cls._read_fields(_known_fields(cls, data, cls.__name__)))
+        return cls(**cls._read_fields(known_fields(cls, data, cls.__name__)))
 
     @classmethod
     def _read_fields(cls, kwargs: dict[str, Any]) -> dict[str, Any]:

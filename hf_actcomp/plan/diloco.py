@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .compression import _stateless_compression
-from .config import _check_choice
+from .compression import stateless_compression
+from .config import check_choice
 
 DILOCO = "diloco"
 REPLICA_ENV = "REPLICA_GROUP_ID"  # torchft's name: this launch's replica, when each replica is launched alone
@@ -96,7 +96,7 @@ class DiLoCoConfig:
             raise ValueError(f"{owner} error_decay={decay!r} must be a number in (0, 1] (1: plain error feedback).")
         compression = config.compression
         if compression is not None:
-            compression = _stateless_compression(compression, f"{owner} compression")
+            compression = stateless_compression(compression, f"{owner} compression")
         return cls(**{**asdict(config), "compression": compression})
 
     def to_params(self) -> dict[str, Any]:
@@ -148,7 +148,7 @@ def _check_fragments(config: DiLoCoConfig, owner: str) -> None:
         raise ValueError(f"{owner} fragment_update_alpha={alpha!r} must be a number in [0, 1].")
 
 
-def _check_dp_compression(value: str | dict[str, Any], data_parallel: int) -> str | dict[str, Any]:
+def check_dp_compression(value: str | dict[str, Any], data_parallel: int) -> str | dict[str, Any]:
     """`Plan.dp_compression`, checked: a registered data-parallel hook (its name, or a dict with
     `method`), or `diloco` with every setting filled in (`DiLoCoConfig.to_params`)."""
     method = value.get("method") if isinstance(value, dict) else value
@@ -162,5 +162,5 @@ def _check_dp_compression(value: str | dict[str, Any], data_parallel: int) -> st
     # top, importing it would first run hf_actcomp.dp, which imports this package via checkpoint.
     from ..dp.base import available_hooks
 
-    _check_choice("Plan", "dp_compression", method, [*available_hooks(), DILOCO])
+    check_choice("Plan", "dp_compression", method, [*available_hooks(), DILOCO])
     return value

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..codecs import available_codecs
-from .auto import AutoConfig
+from .auto_config import AutoConfig
 from .compression import AQSGD, Compression
-from .config import ConfigMixin, _check_choice, _known_fields
-from .diloco import DILOCO, REPLICA_ENV, DiLoCoConfig, _check_dp_compression
-from .memory import MemoryConfig
-from .split import _check_boundaries, _check_split_points, _stage_ranges
+from .config import ConfigMixin, check_choice, known_fields
+from .diloco import DILOCO, REPLICA_ENV, DiLoCoConfig, check_dp_compression
+from .memory_config import MemoryConfig
+from .split import block_ranges, check_boundaries, check_split_points
 
 SCHEDULES = ("gpipe", "1f1b", "zbh1")  # hf_actcomp/pipeline/schedule.py builds their actions
 
@@ -126,18 +126,18 @@ class Plan(ConfigMixin):
             self.micro_batches = self.num_stages
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise ValueError(f"Plan.micro_batches={self.micro_batches!r} must be an integer >= 1.")
-        _check_choice("Plan", "schedule", self.schedule, SCHEDULES)
+        check_choice("Plan", "schedule", self.schedule, SCHEDULES)
         if self.schedule in ("1f1b", "zbh1") and self.num_stages > 1 and self.micro_batches < self.num_stages:
             raise ValueError(
                 f"Plan.schedule={self.schedule!r} needs micro_batches >= num_stages, got "
                 f"micro_batches={self.micro_batches} < num_stages={self.num_stages}. "
                 "Raise micro_batches or use schedule='gpipe'."
             )
-        self.split_points = _check_split_points(self.split_points, self.num_stages)
+        self.split_points = check_split_points(self.split_points, self.num_stages)
         if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
             raise ValueError(f"Plan.data_parallel={self.data_parallel!r} must be an integer >= 1.")
-        self.dp_compression = _check_dp_compression(self.dp_compression, self.data_parallel)
-        self.boundaries = _check_boundaries(self.boundaries, self.num_stages)
+        self.dp_compression = check_dp_compression(self.dp_compression, self.data_parallel)
+        self.boundaries = check_boundaries(self.boundaries, self.num_stages)
         for b, backward in enumerate(self.backward_at(b) for b in range(max(self.num_stages - 1, 1))):
             if backward.method == "aqsgd":
                 where = "Plan.backward" if backward is self.backward else f"Plan.boundaries[{b}]['backward']"
@@ -191,7 +191,7 @@ class Plan(ConfigMixin):
         Uses `split_points` when given, else balances `block_costs` (e.g. parameter counts)
         with the embedding cost on the first stage and the head cost on the last.
         """
-        return _stage_ranges(self.num_stages, self.split_points, num_blocks, block_costs, first_cost, last_cost)
+        return block_ranges(self.num_stages, self.split_points, num_blocks, block_costs, first_cost, last_cost)
 
     # ----------------------------------------------------------------------------- data parallel
     @property
@@ -219,11 +219,11 @@ class Plan(ConfigMixin):
         for key, sub in (("forward", Compression), ("backward", Compression), ("memory", MemoryConfig),
                          ("tie_compression", Compression), ("autotune", AutoConfig)):
             if isinstance(kwargs.get(key), dict):
-                kwargs[key] = sub(**_known_fields(sub, kwargs[key], f"Plan.{key}"))
+                kwargs[key] = sub(**known_fields(sub, kwargs[key], f"Plan.{key}"))
         if isinstance(kwargs.get("boundaries"), list):
             kwargs["boundaries"] = [
                 None if entry is None else
-                {d: Compression(**_known_fields(Compression, c, f"Plan.boundaries[{b}].{d}")) if isinstance(c, dict)
+                {d: Compression(**known_fields(Compression, c, f"Plan.boundaries[{b}].{d}")) if isinstance(c, dict)
                  else c for d, c in entry.items()}
                 for b, entry in enumerate(kwargs["boundaries"])]
         return kwargs

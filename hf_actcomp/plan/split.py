@@ -11,7 +11,7 @@ from typing import Any
 from .compression import Compression
 
 
-def _check_split_points(value: Any, num_stages: int) -> list[int] | None:
+def check_split_points(value: Any, num_stages: int) -> list[int] | None:
     """`Plan.split_points`, checked: None, or num_stages - 1 strictly increasing block indices > 0."""
     if value is None:
         return None
@@ -27,7 +27,7 @@ def _check_split_points(value: Any, num_stages: int) -> list[int] | None:
     return points
 
 
-def _stage_ranges(num_stages: int, split_points: list[int] | None, num_blocks: int,
+def block_ranges(num_stages: int, split_points: list[int] | None, num_blocks: int,
                   block_costs: list[int] | None, first_cost: int, last_cost: int) -> list[range]:
     """`Plan.stage_ranges`: `split_points` when given, else `block_costs` balanced."""
     if num_stages > num_blocks:
@@ -80,7 +80,7 @@ def _balanced_split_points(costs: list[int], num_stages: int, first_cost: int, l
     return sorted(points)
 
 
-def _check_boundaries(value: Any, num_stages: int) -> list[dict[str, Compression] | None] | None:
+def check_boundaries(value: Any, num_stages: int) -> list[dict[str, Compression] | None] | None:
     """`Plan.boundaries`, checked: None, or num_stages - 1 entries of None or {"forward"/"backward":
     Compression (or its dict)}; all-None lists become None."""
     if value is None:

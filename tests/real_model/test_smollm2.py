@@ -66,7 +66,7 @@ def test_split_model_equals_unsplit_with_codec_none(real):
 def recommended_plans(stages: int) -> dict[str, Plan]:
     """Every plan README, docs or Plan.auto's ladders recommend, by label."""
     from hf_actcomp import Compression
-    from hf_actcomp.auto import LADDERS
+    from hf_actcomp.plan.codec_choice import LADDERS
 
     warm = Compression("hadamard", bits=4)
     plans = {

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import hf_actcomp
 from hf_actcomp import Compression, Plan
 from hf_actcomp.debug import debug_model
-from hf_actcomp.pipeline import generate
+from hf_actcomp.pipeline import split_generator as generate
 
 
 def left_padded_prompts(model, lengths=(9, 5, 2), seed=1):

@@ -7,9 +7,9 @@ card template only places them.
 
 from __future__ import annotations
 
-from .auto import bandwidth_text
-from .plan import Plan
-from .plan.diloco import DiLoCoConfig
+from ..plan import Plan
+from ..plan.codec_choice import bandwidth_text
+from ..plan.diloco import DiLoCoConfig
 
 
 def plan_table(plan: Plan, blocks: list | None) -> str:

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from .plan import Plan
-from .trainer import ActCompTrainer
+from ..plan import Plan
+from .actcomp_trainer import ActCompTrainer
 
 try:
     from transformers import Trainer

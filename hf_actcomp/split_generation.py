@@ -135,6 +135,7 @@ def resolve_generation_config(model, generation_config: GenerationConfig | None 
     """The settings `model.generate` would run with (`model.generation_config`, then
     `generation_config`, then the keywords, through transformers' own helper), and the keywords
     that are no setting of a GenerationConfig."""
+    # GenerationMixin's private helper: the only way to merge the configs exactly as `generate` does.
     return model._prepare_generation_config(generation_config, **kwargs)
 
 

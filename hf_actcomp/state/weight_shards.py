@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..models import unwrap_peft
-from .loading import assign_parameters, read_tensors, weight_files
-from .mesh import PipelineMesh
+from ..pipeline.loading import assign_parameters, read_tensors, weight_files
+from ..pipeline.mesh import PipelineMesh
 
 
 @dataclass

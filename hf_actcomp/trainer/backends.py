@@ -20,17 +20,17 @@ import torch.distributed as dist
 from accelerate.utils.memory import clear_device_cache
 from transformers import AutoModelForCausalLM
 
-from . import hub
-from .batching import count_label_tokens
-from .inference import compressed_inference
-from .models import unwrap_peft
-from .pipeline import prepare
-from .pipeline.loading import load_stage_model
-from .pipeline.mesh import check_world_size
-from .plan import Plan, launched_per_replica
-from .resume import init_distributed
-from .simulate import simulate
-from .trainer_evaluation import (
+from .. import hub
+from ..batching import count_label_tokens
+from ..inference import compressed_inference
+from ..models import unwrap_peft
+from ..pipeline import prepare
+from ..pipeline.loading import load_stage_model
+from ..pipeline.mesh import check_world_size
+from ..plan import Plan, launched_per_replica
+from ..simulate import simulate
+from ..state.resume import init_distributed
+from .evaluation import (
     in_process_prediction_step,
     pipelined_prediction_step,
     trainer_item_count,
@@ -45,7 +45,10 @@ class Backend:
     """What both modes share: the plan, the trainer (and its `super()`, `base`), the model given by
     object or by name, and the runner (`sim` or `pipe`) the Trainer loop wraps.
 
-    Built before `Trainer.__init__` (which already moves the model), started after it."""
+    Built before `Trainer.__init__` (which already moves the model), started after it. `base` is
+    `super()` of the trainer: Trainer's own methods, several of them private (`_save_checkpoint`,
+    `_clip_grad_norm`, ...) because Trainer has no public hook for them (see actcomp_trainer.py's
+    docstring); the one-process backend calls them as Trainer would."""
 
     sim = None  # the in-process stages (OneProcess)
     pipe = None  # this rank's Pipeline (Pipelined)
@@ -162,7 +165,7 @@ class OneProcess(Backend):
         self.base.save_model(output_dir, _internal_call)
         if trainer.args.should_save:
             self.plan.save_pretrained(output_dir)
-            run = {"base_model": getattr(unwrap_peft(trainer.model), "name_or_path", None), **trainer._run_results()}
+            run = {"base_model": getattr(unwrap_peft(trainer.model), "name_or_path", None), **trainer.run_results()}
             hub.save_run(output_dir, stats=self.sim.stats(), blocks=[[r.start, r.stop] for r in self.sim.ranges], **run)
 
     def save_compression_state(self, state_dir: str) -> None:
@@ -318,7 +321,7 @@ class Pipelined(Backend):
     def save_model(self, output_dir: str, _internal_call: bool) -> None:
         trainer = self.trainer
         # One collective save: every stage's shard, and the card with this run's results.
-        self.pipe.save_pretrained(output_dir, model=trainer.model, results=trainer._run_results())
+        self.pipe.save_pretrained(output_dir, model=trainer.model, results=trainer.run_results())
         if trainer.args.should_save:
             if trainer.processing_class is not None:
                 trainer.processing_class.save_pretrained(output_dir)

@@ -220,7 +220,7 @@ def maybe_pause_for_fault_test(step: int, rank: int, moment: str) -> None:
     (tests/test_fault.py, tests/test_diloco.py). Not killed, it goes on as if nothing happened.
     The moments, each called from one place:
 
-    - `writing`: in `hf_actcomp.training_state.save_training_state` for the checkpoint of step
+    - `writing`: in `hf_actcomp.state.training_state.save_training_state` for the checkpoint of step
       `STEP`, after the stage's weights and compression state are written, before the optimizer
       state, random state and progress (a torn checkpoint; the checkpoints of
       `recipes/finetune_gpt2.py`, not those of `ActCompTrainer`);

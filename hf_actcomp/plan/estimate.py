@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .auto import Link, Measurements, choose
-from .feedback import build_codec, build_first_visit_codec
-from .memory import MemoryStore
-from .plan import AutoConfig, Compression, MemoryConfig, Plan
+from ..aqsgd_memory import MemoryStore
+from ..feedback import build_codec, build_first_visit_codec
+from . import AutoConfig, Compression, MemoryConfig, Plan
+from .codec_choice import Link, Measurements, choose
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -105,8 +105,8 @@ def stage_trainable(config: PretrainedConfig, plan: Plan) -> list[list[tuple[str
     read or allocated."""
     from transformers import AutoModelForCausalLM
 
-    from .models import get_adapter
-    from .models.split import stage_ranges
+    from ..models import get_adapter
+    from ..models.split import stage_ranges
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -130,9 +130,9 @@ def diloco_estimate(config: PretrainedConfig, plan: Plan, link_bits_per_second: 
     """Per stage: the pseudo-gradient bytes each replica sends per sync (with Streaming DiLoCo's
     fragments: the largest fragment's, the peak) and per optimizer step, the link time of a sync,
     and the bytes DDP's per-step all-reduce would send instead."""
-    from .dp.base import ring_allreduce_bytes
-    from .dp.diloco import payload_nbytes
-    from .dp.fragments import split_fragments
+    from ..dp.base import ring_allreduce_bytes
+    from ..dp.diloco import payload_nbytes
+    from ..dp.fragments import split_fragments
 
     diloco, replicas = plan.diloco, plan.data_parallel
 

@@ -12,11 +12,11 @@ from typing import Any
 import datasets
 from transformers import Trainer, TrainingArguments
 
-from . import hub
-from .data import SAMPLE_ID, add_sample_ids
-from .pipeline.construction import check_compiled_schedule
-from .plan import Plan, launched_per_replica
-from .trackers import check_trackers
+from .. import hub
+from ..data import SAMPLE_ID, add_sample_ids
+from ..pipeline.construction import check_compiled_schedule
+from ..plan import Plan, launched_per_replica
+from ..trackers import check_trackers
 
 _REFUSED = {
     "deepspeed": "DeepSpeed shards parameters and optimizer state over all ranks, which here hold different stages",
@@ -41,7 +41,7 @@ _REFUSED_PIPELINED = {
 }
 
 
-def _check_ids_are_rows(dataset: datasets.Dataset, plan: Plan) -> None:
+def check_ids_are_rows(dataset: datasets.Dataset, plan: Plan) -> None:
     """Data-parallel AQ-SGD shards the data set by rows and keeps each replica's memory for the
     ids of its rows, so `sample_id` must be the row index (as `add_sample_ids` makes it)."""
     if plan.memory.num_samples != len(dataset):
@@ -55,7 +55,7 @@ def _check_ids_are_rows(dataset: datasets.Dataset, plan: Plan) -> None:
                          "ActCompTrainer add it, or call hf_actcomp.add_sample_ids(dataset).")
 
 
-def _check_arguments(args: TrainingArguments, plan: Plan, kwargs: dict[str, Any]) -> None:
+def check_arguments(args: TrainingArguments, plan: Plan, kwargs: dict[str, Any]) -> None:
     """Refuse, before any work, what cannot run split into stages, and a wrong process count."""
     world = args.world_size
     for name, reason in _REFUSED.items():
@@ -122,7 +122,7 @@ def _calls_parent(function, name: str) -> bool:
     return code is not None and {"super", name} <= set(code.co_names)
 
 
-def _check_overrides(cls: type, pipelined: bool) -> None:
+def check_overrides(cls: type, pipelined: bool) -> None:
     """With several processes, refuse a subclass's override that the stages would bypass: any
     `compute_loss` (the last stage computes the loss inside the pipeline step), and a
     `training_step` / `prediction_step` / `evaluation_loop` that does not call the parent's. In
@@ -145,7 +145,7 @@ def _check_overrides(cls: type, pipelined: bool) -> None:
                 f"super().{name}(...) inside the override (before or after your own code), or run in one process.")
 
 
-def _with_sample_ids(dataset):
+def with_sample_ids(dataset):
     if isinstance(dataset, datasets.Dataset):
         return dataset if SAMPLE_ID in dataset.column_names else add_sample_ids(dataset)
     raise TypeError(
@@ -154,7 +154,7 @@ def _with_sample_ids(dataset):
     )
 
 
-def _with_num_samples(plan: Plan, num_samples: int) -> Plan:
+def with_num_samples(plan: Plan, num_samples: int) -> Plan:
     """The plan with `memory.num_samples` filled (a copy); an explicit value must cover the ids."""
     data = plan.to_dict()
     if data["memory"].get("num_samples") is None:
@@ -165,7 +165,7 @@ def _with_num_samples(plan: Plan, num_samples: int) -> Plan:
     return Plan.from_dict(data)
 
 
-def _longest_row(dataset) -> int:
+def longest_row(dataset) -> int:
     if isinstance(dataset, datasets.Dataset):
         return max(len(ids) for ids in dataset["input_ids"])
     return max(len(dataset[i]["input_ids"]) for i in range(len(dataset)))

@@ -1,7 +1,7 @@
 """The model card (README.md) of a saved run: its metadata, summary and usage, from the plan,
 `actcomp_results.json` and the model's config.
 
-Rendering is apart from the upload (`hub.py`) because every save writes a card, offline included,
+Rendering is apart from the upload (`hub/__init__.py`) because every save writes a card, offline included,
 and `hf-actcomp card` re-renders one without ever reaching the Hub.
 """
 
@@ -15,12 +15,12 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .card_methods import card_citations, card_tags
-from .card_tables import communication_table, evaluation_table, plan_table, timing_table
+from ..plan import Plan
+from ..plan.inference_form import resolve_inference
+from ..state.run_results import load_results
 from .curves import CURVES_NAME
-from .plan import Plan
-from .plan.inference_form import resolve_inference
-from .run_results import load_results
+from .methods import card_citations, card_tags
+from .tables import communication_table, evaluation_table, plan_table, timing_table
 
 CARD_NAME = "README.md"
 TEMPLATE_NAME = "actcomp_model_card.md"
@@ -171,7 +171,7 @@ def _versions(adapter: bool) -> str:
     import torch
     import transformers
 
-    from .version import __version__
+    from ..version import __version__
 
     lines = [f"- hf-actcomp {__version__}", f"- transformers {transformers.__version__}",
              f"- torch {torch.__version__}", f"- accelerate {accelerate.__version__}",

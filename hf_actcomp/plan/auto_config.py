@@ -1,5 +1,5 @@
 """`AutoConfig`: the settings of `Plan.auto(...)`, whose boundary codecs the pipeline picks from
-measurements (`hf_actcomp.auto` decides, `hf_actcomp.pipeline.probe` measures).
+measurements (`hf_actcomp.plan.codec_choice` decides, `hf_actcomp.pipeline.probe` measures).
 
 Only the settings, checked, and the decision once taken: saved with the plan.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .config import _check_choice
+from .config import check_choice
 
 AUTO_QUALITY = ("safe", "fast")
 
@@ -42,7 +42,7 @@ class AutoConfig:
     decision: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        _check_choice("Plan.auto", "quality", self.quality, AUTO_QUALITY)
+        check_choice("Plan.auto", "quality", self.quality, AUTO_QUALITY)
         if not isinstance(self.aqsgd, bool):
             raise ValueError(f"Plan.auto aqsgd={self.aqsgd!r} must be True or False.")
         every = self.adapt_every

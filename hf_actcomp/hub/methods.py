@@ -6,9 +6,9 @@ the card by registering a tag or a citation here, without touching how the card 
 
 from __future__ import annotations
 
-from .codecs import CODECS
-from .dp.base import HOOKS
-from .plan import Compression, Plan
+from ..codecs import CODECS
+from ..dp.base import HOOKS
+from ..plan import Compression, Plan
 
 # Tags of the methods that are not codecs (a codec's tag is its `hub_tag`); any other name (a
 # data-parallel hook of your own) is its own tag. Only the methods a run used are shown.

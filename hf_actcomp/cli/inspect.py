@@ -16,14 +16,14 @@ import re
 
 from safetensors import safe_open
 
-from .card import CARD_NAME
-from .checkpoint import COMPRESSION_STATE_DIR
-from .cli_format import size_text
-from .plan import CONFIG_NAME, Plan
-from .run_results import load_results
+from ..hub.card import CARD_NAME
+from ..plan import CONFIG_NAME, Plan
+from ..state.compression import COMPRESSION_STATE_DIR
+from ..state.run_results import load_results
+from .formatting import size_text
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:  # argparse's only name for the type
     """Register `inspect` on the command's subparsers."""
     p = sub.add_parser("inspect", help="the plan, each rank's compression state and the card of a saved run",
                        description="Show the plan (actcomp_config.json), every rank's compression state (tensor "

@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from .. import checkpoint
-from ..auto import describe as describe_decision
-from ..auto import plan_boundaries, tie_compression
 from ..batching import MicroBatch
 from ..plan import Plan
+from ..plan.codec_choice import describe as describe_decision
+from ..plan.codec_choice import plan_boundaries, tie_compression
+from ..state.compression import saved_metadata
 from ..telemetry import TrafficCounter
 from .probe import agree, measure_links, timed_median
 from .runner import StageRunner
@@ -134,7 +134,7 @@ class AutoTuner:
     def restore(self, directory: str | os.PathLike, rank: int, optimizer_steps: int) -> bool:
         """Take back the decision saved with the compression state of `rank` in `directory`;
         whether there was one (then the runner's ends changed)."""
-        saved = Plan.from_dict(checkpoint.saved_metadata(directory, rank)["plan"])
+        saved = Plan.from_dict(saved_metadata(directory, rank)["plan"])
         if saved.autotune is None or saved.autotune.decision is None:
             return False
         self.apply(saved.autotune.decision, optimizer_steps, why="resumed")

@@ -1,13 +1,13 @@
 """`MemoryConfig`: where AQ-SGD keeps its per-sample activation memory (`Plan.memory`).
 
-Only the settings, checked; the stores themselves are `hf_actcomp.memory`.
+Only the settings, checked; the stores themselves are `hf_actcomp.aqsgd_memory`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import _check_choice
+from .config import check_choice
 
 MEMORY_STORES = ("device", "host", "mmap")
 MEMORY_DTYPES = ("fp32", "fp16", "bf16", "int8")
@@ -35,8 +35,8 @@ class MemoryConfig:
     path: str | None = None
 
     def __post_init__(self) -> None:
-        _check_choice("MemoryConfig", "store", self.store, MEMORY_STORES)
-        _check_choice("MemoryConfig", "dtype", self.dtype, MEMORY_DTYPES)
+        check_choice("MemoryConfig", "store", self.store, MEMORY_STORES)
+        check_choice("MemoryConfig", "dtype", self.dtype, MEMORY_DTYPES)
         if self.num_samples is not None and (
             not isinstance(self.num_samples, int) or self.num_samples < 1
         ):

@@ -26,8 +26,8 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .plan import FORMAT_VERSION
-from .state_dict import prefixed, unprefixed
+from ..plan import FORMAT_VERSION
+from .keys import prefixed, unprefixed
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 # Where `accelerator.save_state(dir)` puts every rank's compression state: `dir/actcomp_state`.
@@ -178,11 +178,19 @@ class CompressionState:
         `dir/actcomp_state` (Accelerate saves custom objects on the main process only, so every
         rank registers its own hooks)."""
 
-        def save_hook(models, weights, output_dir):
-            self.save(os.path.join(output_dir, COMPRESSION_STATE_DIR))
+        register_state_hooks(accelerator, lambda d: self.save(d), lambda d: self.load(d))
 
-        def load_hook(models, input_dir):
-            self.load(os.path.join(input_dir, COMPRESSION_STATE_DIR))
 
-        accelerator.register_save_state_pre_hook(save_hook)
-        accelerator.register_load_state_pre_hook(load_hook)
+def register_state_hooks(accelerator, save, load) -> None:
+    """Have `accelerator.save_state(dir)` / `load_state(dir)` call `save(path)` / `load(path)` with
+    `path = dir/actcomp_state` on this rank, before Accelerate's own state. Pass callables that
+    look the state up when they run: Plan.auto may replace it after this call."""
+
+    def save_hook(models, weights, output_dir):
+        save(os.path.join(output_dir, COMPRESSION_STATE_DIR))
+
+    def load_hook(models, input_dir):
+        load(os.path.join(input_dir, COMPRESSION_STATE_DIR))
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)

@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
-from .checkpoint import COMPRESSION_STATE_DIR, CompressionState
+from .compression import COMPRESSION_STATE_DIR, CompressionState
 from .resume import maybe_pause_for_fault_test
 
 

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .auto import describe as describe_decision
-from .cli_format import size_text
-from .plan import AUTO_QUALITY, AutoConfig, Plan
-from .plan_estimate import auto_estimate, diloco_estimate, estimate
+from ..plan import AUTO_QUALITY, AutoConfig, Plan
+from ..plan.codec_choice import describe as describe_decision
+from ..plan.estimate import auto_estimate, diloco_estimate, estimate
+from .formatting import size_text
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -28,7 +28,7 @@ _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "kbps": 8e3, "mbps": 8e6, "gbps
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:  # argparse's only name for the type
     """Register `estimate` on the command's subparsers."""
     p = sub.add_parser("estimate", help="bytes, AQ-SGD memory and link time per step of a plan, before training",
                        description="For each stage boundary and direction: the bytes one optimizer step sends, "

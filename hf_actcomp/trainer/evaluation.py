@@ -30,7 +30,7 @@ import torch
 from accelerate.utils import recursively_apply
 from transformers.trainer_pt_utils import nested_detach
 
-from .batching import count_label_tokens
+from ..batching import count_label_tokens
 
 
 def trainer_item_count(trainer, inputs: dict[str, Any]) -> int | None:
@@ -40,6 +40,8 @@ def trainer_item_count(trainer, inputs: dict[str, Any]) -> int | None:
     the stages of one pipeline), or None where Trainer lets the model take its own mean."""
     if inputs.get("labels") is None or not (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func):
         return None
+    # Trainer's own (private) flag for whether its loss shifts the labels: the only place that
+    # knows it for `compute_loss_func` and the model's loss type alike.
     return count_label_tokens(inputs["labels"], shifted=trainer._loss_shifts_labels,
                               shift_labels=inputs.get("shift_labels"))
 
@@ -96,6 +98,8 @@ def in_process_prediction_step(trainer, base, model, inputs, prediction_loss_onl
     loss, logits, labels = base.prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
     plain = None
     if loss is not None:
+        # Trainer's private `_prepare_inputs` (device placement, its input hooks): no public way to
+        # prepare a batch exactly as `prediction_step` would.
         inputs = trainer._prepare_inputs(inputs)
         count = trainer.eval_item_count(inputs)
         if trainer.eval_plain_loss:

@@ -3,6 +3,9 @@
     hf-actcomp inspect DIR
     hf-actcomp estimate --model NAME_OR_CONFIG --plan plan.yaml --batch-size 8 --seq-len 1024 --link 100mbit
     hf-actcomp card DIR
+
+Each subcommand is one module here that registers its own parser (`inspect.py`, `estimate.py`,
+`card.py`); `formatting.py` prints byte counts the same way for all of them.
 """
 
 from __future__ import annotations
@@ -10,43 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import cli_card, cli_estimate, cli_inspect
-from .cli_card import card_command
-from .cli_estimate import (
-    auto_estimate_command,
-    estimate_command,
-    load_config,
-    load_plan_file,
-    parse_link,
-    per_boundary,
-)
-from .cli_inspect import describe_rank_state, inspect_command
-from .plan_estimate import (
-    auto_estimate,
-    diloco_estimate,
-    estimate,
-    first_visit_label,
-    stage_parameter_counts,
-)
+from . import card, estimate, inspect
 
-__all__ = [
-    "auto_estimate",
-    "auto_estimate_command",
-    "build_parser",
-    "card_command",
-    "describe_rank_state",
-    "diloco_estimate",
-    "estimate",
-    "estimate_command",
-    "first_visit_label",
-    "inspect_command",
-    "load_config",
-    "load_plan_file",
-    "main",
-    "parse_link",
-    "per_boundary",
-    "stage_parameter_counts",
-]
+__all__ = ["build_parser", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command and its subcommands, each registered by the module that runs it."""
-    parser = argparse.ArgumentParser(prog="hf-actcomp", description=__doc__,
+    parser = argparse.ArgumentParser(prog="hf-actcomp", description=__doc__.split("\n\nEach subcommand")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (cli_inspect, cli_estimate, cli_card):
+    for command in (inspect, estimate, card):
         command.add_parser(sub)
     return parser
 

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from .feedback import build_codec
-from .plan import AutoConfig, Compression
+from ..feedback import build_codec
+from . import AutoConfig, Compression
 
 NONE = Compression()
 WARM_UP = Compression("hadamard", bits=4)  # AQ-SGD first visits (docs/quality.md, compressed warm-up)

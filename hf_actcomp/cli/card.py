@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from .card import CARD_NAME, write_model_card
+from ..hub.card import CARD_NAME, write_model_card
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:  # argparse's only name for the type
     """Register `card` on the command's subparsers."""
     p = sub.add_parser("card", help="re-render README.md (the model card) from a run's saved results",
                        description="Render the model card of DIR again from actcomp_config.json, "

@@ -15,14 +15,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..generation import (
+from ..models import get_adapter, unwrap_peft
+from ..split_generation import (
     CachedStage,
     check_split_generation,
     generation_pieces,
     next_tokens,
     positions_from_mask,
 )
-from ..models import get_adapter, unwrap_peft
 from ..telemetry import TrafficCounter
 from .link import NEXT_TOKENS_TAG, StageLink, naming_the_step
 from .mesh import PipelineMesh
@@ -74,6 +74,7 @@ class SplitGenerator:
                 if sender is not None and links["forward_out"].side_numel else None)
         counter = self.counter
         batch = input_ids.shape[0]
+        # set by GenerationMixin._prepare_special_tokens (split_generation.py), as `generate` reads it
         pad = config._pad_token_tensor
         has_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping)
         unfinished = torch.ones(batch, dtype=torch.long, device=device)
@@ -174,7 +175,7 @@ class SplitGenerationMixin:
         `model.generate` (`num_beams` > 1, `num_return_sequences` > 1, contrastive search,
         `assistant_model`, constraints, ...), whether from the arguments or from
         `model.generation_config`, raises a ValueError naming it before any work, on every rank
-        alike (`hf_actcomp.generation.check_generation_mode`; see docs/generation.md).
+        alike (`hf_actcomp.split_generation.check_generation_mode`; see docs/generation.md).
         """
         model = unwrap_peft(self.model)
         check_split_generation(model, generation_config, **kwargs)  # before any work or message

@@ -23,11 +23,11 @@ from typing import Any
 from huggingface_hub import HfApi
 from huggingface_hub import constants as hub_constants
 
+from ..plan import CONFIG_NAME
+from ..state.run_results import RESULTS_NAME, load_results, save_results, update_results
 from .card import CARD_NAME, TEMPLATE_NAME, model_card, write_model_card
-from .card_methods import plan_compressions
 from .curves import CURVES_NAME, plot_curves
-from .plan import CONFIG_NAME
-from .run_results import RESULTS_NAME, load_results, save_results, update_results
+from .methods import plan_compressions
 
 __all__ = [
     "CARD_NAME",

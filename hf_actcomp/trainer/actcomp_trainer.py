@@ -10,6 +10,13 @@ The same script works in one process and under `accelerate launch` / `torchrun`:
   world).
 
 What differs from Trainer, and why, is in `docs/trainer.md`.
+
+Trainer's private methods. Moving the model, the dataloaders' signature columns, the token and
+label counts, clipping, the gradient norm, checkpoints and their optimizer, loading a checkpoint
+or the best model have no public hook in `transformers.Trainer`; each is overridden here (same
+name, same arguments) and routed to the backend, which in one process calls Trainer's own
+(`backends.Backend.base`). tests/test_trainer.py compares both paths with plain Trainer, so a
+transformers release that changes one of them fails there.
 """
 
 from __future__ import annotations
@@ -27,23 +34,23 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 
-from . import hub
-from .checkpoint import COMPRESSION_STATE_DIR
-from .data import SAMPLE_ID
-from .launch_env import count_every_process
-from .plan import CONFIG_NAME, Plan
-from .resume import resolve_resume_from_checkpoint, writing_checkpoint
-from .samples import SAMPLES_KEY, LogSamplesCallback, complete
-from .trainer_backends import OneProcess, backend_for
-from .trainer_checks import (
-    _check_arguments,
-    _check_ids_are_rows,
-    _check_overrides,
-    _longest_row,
-    _with_num_samples,
-    _with_sample_ids,
+from .. import hub
+from ..data import SAMPLE_ID
+from ..plan import CONFIG_NAME, Plan
+from ..samples import SAMPLES_KEY, LogSamplesCallback, complete
+from ..state.compression import COMPRESSION_STATE_DIR
+from ..state.resume import resolve_resume_from_checkpoint, writing_checkpoint
+from .backends import OneProcess, backend_for
+from .checks import (
+    check_arguments,
+    check_ids_are_rows,
+    check_overrides,
+    longest_row,
+    with_num_samples,
+    with_sample_ids,
 )
-from .trainer_evaluation import EvalExtras, trainer_item_count
+from .evaluation import EvalExtras, trainer_item_count
+from .launch_env import count_every_process
 
 
 class PadToLength:
@@ -115,8 +122,8 @@ class ActCompTrainer(Trainer):
         args = args if args is not None else TrainingArguments(output_dir="trainer_output")
         self.eval_plain_loss = eval_plain_loss
         count_every_process(args)  # torchrun / accelerate launch on a CPU-only machine
-        _check_arguments(args, plan, kwargs)
-        _check_overrides(type(self), pipelined=backend_for(args.world_size, plan) is not OneProcess)
+        check_arguments(args, plan, kwargs)
+        check_overrides(type(self), pipelined=backend_for(args.world_size, plan) is not OneProcess)
         autocast_dtype = torch.bfloat16 if args.bf16 else None
         # Before Trainer.__init__: with several processes a checkpoint given by name is loaded
         # stage by stage, and Trainer must not move the model.
@@ -136,7 +143,7 @@ class ActCompTrainer(Trainer):
         self._backend.start()
         self._train_collator = self.data_collator
         if self.plan.uses_aqsgd and self.train_dataset is not None:
-            length = pad_to_length or _longest_row(self.train_dataset)
+            length = pad_to_length or longest_row(self.train_dataset)
             pad_id = getattr(self.processing_class, "pad_token_id", None)
             self._train_collator = PadToLength(self.data_collator, length, pad_id if pad_id is not None else 0)
 
@@ -145,10 +152,10 @@ class ActCompTrainer(Trainer):
         and `memory.num_samples` covering its ids."""
         if not plan.uses_aqsgd or self.train_dataset is None:
             return plan
-        self.train_dataset = _with_sample_ids(self.train_dataset)
-        plan = _with_num_samples(plan, max(len(self.train_dataset), max(self.train_dataset[SAMPLE_ID]) + 1))
+        self.train_dataset = with_sample_ids(self.train_dataset)
+        plan = with_num_samples(plan, max(len(self.train_dataset), max(self.train_dataset[SAMPLE_ID]) + 1))
         if plan.data_parallel > 1:
-            _check_ids_are_rows(self.train_dataset, plan)
+            check_ids_are_rows(self.train_dataset, plan)
         return plan
 
     @property
@@ -286,7 +293,7 @@ class ActCompTrainer(Trainer):
         and the rest keep their contract), fed by the stages; the metrics also get
         `{prefix}_plain_loss` (without the boundary codecs, unless `eval_plain_loss=False`),
         `{prefix}_token_loss` / `_plain_token_loss` (mean per predicted token) and
-        `{prefix}_perplexity` / `_plain_perplexity`. See `hf_actcomp.trainer_evaluation`."""
+        `{prefix}_perplexity` / `_plain_perplexity`. See `hf_actcomp.trainer.evaluation`."""
         self.eval_extras = EvalExtras()
         with self._backend.evaluation():
             output = super().evaluation_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
@@ -319,7 +326,7 @@ class ActCompTrainer(Trainer):
         with the plan (`actcomp_config.json`). Collective when distributed: call on every rank."""
         self._backend.save_model(output_dir if output_dir is not None else self.args.output_dir, _internal_call)
 
-    def _run_results(self) -> dict:
+    def run_results(self) -> dict:
         """What the card shows besides the traffic: the latest eval metrics, the log history, and
         what `create_model_card` was given (with the trainer's and the model's tags)."""
         evaluations = [h for h in self.state.log_history if "eval_loss" in h]
@@ -353,7 +360,7 @@ class ActCompTrainer(Trainer):
         self._card_datasets = dataset_tags or dataset or dataset_name or self._card_datasets
         if not self.is_world_process_zero() or not os.path.isfile(os.path.join(self.args.output_dir, CONFIG_NAME)):
             return
-        results = self._run_results()
+        results = self.run_results()
         hub.update_results(self.args.output_dir, card=results["card"],
                            **{k: results[k] for k in ("base_model", "datasets") if k in results})
         hub.write_model_card(self.args.output_dir, repo_id=getattr(self, "hub_model_id", None))
@@ -370,7 +377,7 @@ class ActCompTrainer(Trainer):
 
     def _save_checkpoint(self, model, trial) -> None:
         """Trainer's checkpoint plus every rank's compression state, marked complete (the
-        `actcomp_complete.json` of `hf_actcomp.resume`) only once every rank has written its part."""
+        `actcomp_complete.json` of `hf_actcomp.state.resume`) only once every rank has written its part."""
         output_dir = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         with writing_checkpoint(output_dir, is_main=self.is_world_process_zero()):
             super()._save_checkpoint(model, trial)
