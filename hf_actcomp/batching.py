@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .aqsgd_memory import check_sample_ids
+from .models.heads import CAUSAL_LM, TOKEN_CLASSIFICATION, problem_type
 from .plan import Plan
 
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "sample_id")
@@ -33,6 +34,19 @@ def count_label_tokens(labels: torch.Tensor, *, shifted: bool = True, shift_labe
     if shift_labels is not None:
         return int(shift_labels.ne(-100).sum())
     return int((labels[..., 1:] if shifted else labels).ne(-100).sum())
+
+
+def count_items(task: str, config, labels: torch.Tensor) -> int:
+    """What a step's loss divides by, for the model's task (models/heads.py): label tokens for a
+    causal LM (shifted) and a token classifier (not shifted), labelled rows for single-label
+    sequence classification, rows for regression and multi-label classification."""
+    if task == CAUSAL_LM:
+        return count_label_tokens(labels)
+    if task == TOKEN_CLASSIFICATION:
+        return count_label_tokens(labels, shifted=False)
+    if problem_type(config, labels) == "single_label_classification":
+        return int(labels.ne(-100).sum())
+    return int(labels.shape[0])
 
 
 def check_batch(batch: dict[str, torch.Tensor | None], plan: Plan, training: bool,

@@ -132,11 +132,26 @@ def debug_config(family: str, **overrides: Any) -> transformers.PretrainedConfig
     return transformers.AutoConfig.for_model(family, **kwargs)
 
 
-def debug_model(family: str, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
-    """A randomly initialised causal LM built from `debug_config(family, **overrides)`.
+AUTO_CLASSES = {
+    "causal_lm": transformers.AutoModelForCausalLM,
+    "sequence_classification": transformers.AutoModelForSequenceClassification,
+    "token_classification": transformers.AutoModelForTokenClassification,
+}
+
+
+def debug_model(family: str, seed: int = 0, task: str = "causal_lm", **overrides: Any) -> transformers.PreTrainedModel:
+    """A randomly initialised model built from `debug_config(family, **overrides)`: the causal
+    LM, or with `task` the family's sequence or token classifier (3 labels and pad token 0 unless
+    overridden: a sequence classifier pools at each row's last non-pad token).
 
     The same `seed` gives the same weights, so two calls build identical models.
     """
+    if task not in AUTO_CLASSES:
+        raise ValueError(f"task={task!r}: choose one of {', '.join(AUTO_CLASSES)}.")
+    if task != "causal_lm":
+        overrides = {"num_labels": 3, **overrides}
+        if debug_config(family).pad_token_id is None:
+            overrides = {"pad_token_id": 0, **overrides}
     config = debug_config(family, **overrides)
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config)
+    return AUTO_CLASSES[task].from_config(config)

@@ -20,12 +20,17 @@ import contextlib
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import (
+    CausalLMOutputWithPast,
+    SequenceClassifierOutputWithPast,
+    TokenClassifierOutput,
+)
 
-from .batching import MicroBatch, check_batch, count_label_tokens, micro_batch_count, split_batch
+from .batching import MicroBatch, check_batch, count_items, micro_batch_count, split_batch
 from .boundary import Boundary
 from .models import get_adapter
 from .models.compile import compile_blocks, compile_options
+from .models.heads import CAUSAL_LM, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, check_rows
 from .models.router import RouterLoss, router_spec
 from .models.split import stage_ranges
 from .pipeline.tie import TieCompressor, exact_rows_nbytes
@@ -82,6 +87,11 @@ class _InferenceBoundary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+# What the model's own forward returns, by task (models/heads.py).
+OUTPUTS = {CAUSAL_LM: CausalLMOutputWithPast, SEQUENCE_CLASSIFICATION: SequenceClassifierOutputWithPast,
+           TOKEN_CLASSIFICATION: TokenClassifierOutput}
 
 
 class SimulatedPipeline(nn.Module):
@@ -157,7 +167,9 @@ class SimulatedPipeline(nn.Module):
     ) -> CausalLMOutputWithPast:
         """Run the stages micro-batch by micro-batch. The loss is the HF model's: the mean over
         label tokens, or their sum divided by `num_items_in_batch` when given (as
-        `transformers.Trainer` passes it under gradient accumulation)."""
+        `transformers.Trainer` passes it under gradient accumulation). A sequence or token
+        classifier's loss is the call's mean, as its own forward's (which ignores
+        `num_items_in_batch`)."""
         unknown = set(kwargs) - _IGNORED_KWARGS
         if unknown:
             raise TypeError(
@@ -167,10 +179,13 @@ class SimulatedPipeline(nn.Module):
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "sample_id": sample_id}
         compress = self.training
         check_batch(batch, self.plan, training=compress, needs_labels=False)
+        check_rows(self.adapter.task, self.config, input_ids.shape[0])
         micro = split_batch(batch, micro_batch_count(batch, self.plan, compress))
-        num_items = num_items_in_batch
+        # A classifier's own forward takes no `num_items_in_batch` (its loss is the call's mean), so
+        # the stages do not either: Trainer then treats both alike.
+        num_items = num_items_in_batch if self.adapter.task == CAUSAL_LM else None
         if num_items is None and labels is not None and len(micro) > 1:
-            num_items = count_label_tokens(labels)  # per-micro-batch means would weight rows unevenly
+            num_items = count_items(self.adapter.task, self.config, labels)  # per-micro-batch means would weight rows unevenly
         logits_parts, loss = [], None
         with self._compressed_tie(input_ids, compress):
             for slot, mb in enumerate(micro):
@@ -179,14 +194,14 @@ class SimulatedPipeline(nn.Module):
                 if part is not None:
                     loss = part if loss is None else loss + part
         logits = torch.cat(logits_parts) if len(logits_parts) > 1 else logits_parts[0]
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return OUTPUTS[self.adapter.task](loss=loss, logits=logits)
 
     def _micro_batch(self, mb: MicroBatch, slot: int, compress: bool, num_items):
         """(loss or None, logits) of one micro-batch through every stage and boundary."""
         h, mask = mb.input_ids, mb.attention_mask
         with self.router.collecting() if self.router else contextlib.nullcontext():
             for s, stage in enumerate(self.stages):
-                h = stage(h, mask)
+                h = stage(h, mask, mb.input_ids)
                 if s < len(self.stages) - 1:
                     forward = self.boundaries[f"boundary{s}.forward"]
                     if compress:
@@ -196,8 +211,7 @@ class SimulatedPipeline(nn.Module):
                         h = _InferenceBoundary.apply(h, forward)
         part = None
         if mb.labels is not None:
-            part = self.model.loss_function(h, mb.labels, vocab_size=self.model.config.vocab_size,
-                                            num_items_in_batch=num_items)
+            part = self.adapter.loss(h, mb.labels, num_items)
             if self.router is not None:  # per micro-batch, as transformers per forward call
                 part = part + self.router.whole_loss(*self.router.partial(mask, h.device))
         return part, h

@@ -277,7 +277,7 @@ def test_unsupported_model_type_lists_supported_ones():
 
 
 def test_base_model_without_head_is_rejected():
-    with pytest.raises(ValueError, match="expects the causal LM"):
+    with pytest.raises(ValueError, match="LlamaModel is not a model hf-actcomp splits: it takes a family.s causal LM"):
         get_adapter(debug_model("llama").model)
 
 

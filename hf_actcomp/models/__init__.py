@@ -1,4 +1,6 @@
-"""Model adapters by `config.model_type`: how each decoder family is split into stages.
+"""Model adapters by `config.model_type`: how each decoder family is split into stages, and
+(`heads.py`) what the last stage computes for the model's task: a causal LM's logits, or a
+sequence or token classifier's, with the loss exact to the unsplit model's.
 
 Add a family by subclassing `ModelAdapter` and decorating it with `@register_adapter`
 (see docs/adding_a_model.md).

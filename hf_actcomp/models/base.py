@@ -19,6 +19,15 @@ import torch
 from torch import Tensor, nn
 from transformers import Cache, PreTrainedModel
 
+from .heads import (
+    CAUSAL_LM,
+    SEQUENCE_CLASSIFICATION,
+    classification_loss,
+    head_module_paths,
+    last_non_pad_logits,
+    task_of,
+)
+
 
 class CachedForward(Protocol):
     """The forward with a KV cache, on the new tokens only, that split generation
@@ -49,7 +58,8 @@ class ModelAdapter(abc.ABC):
     `_head_paths`, `embed`, `block_context`, `run_block` and `head`; for split generation
     (`Pipeline.generate`) also `CachedForward`'s `embed_cached`, `block_context_cached` and
     `run_block_cached` (and `head_cached` where the family's forward slices the last position
-    elsewhere).
+    elsewhere). For the family's sequence and token classifiers (`models/heads.py`) also
+    `_final_norm_paths` and `final_norm`: what runs between the last block and the task head.
     """
 
     model_types: ClassVar[tuple[str, ...]] = ()
@@ -58,18 +68,23 @@ class ModelAdapter(abc.ABC):
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.config = model.config
+        # E.g. a bare LlamaModel (no head) instead of LlamaForCausalLM: a ValueError naming the class.
+        self.task = task_of(model)
+        if self.task != CAUSAL_LM and type(self)._final_norm_paths is ModelAdapter._final_norm_paths:
+            raise ValueError(f"{type(self).__name__} splits the causal LM of {'/'.join(self.model_types)} only: "
+                             f"{type(model).__name__} ({self.task}) needs the adapter's `_final_norm_paths` and "
+                             "`final_norm` (docs/adding_a_model.md).")
         try:
             for path in (
                 self.blocks_path,
                 *self._embedding_paths(),
-                *self._head_paths(),
+                *self.head_paths(),
                 *self._context_paths(),
             ):
                 model.get_submodule(path)
         except AttributeError as err:
-            # E.g. a bare LlamaModel (no head) instead of LlamaForCausalLM.
             raise ValueError(
-                f"{type(self).__name__} expects the causal LM (AutoModelForCausalLM) of "
+                f"{type(self).__name__} expects a causal LM, sequence or token classifier of "
                 f"{'/'.join(self.model_types)}; {type(model).__name__} lacks a submodule: {err}"
             ) from err
 
@@ -102,7 +117,22 @@ class ModelAdapter(abc.ABC):
         return [self.model.get_submodule(p) for p in self._embedding_paths()]
 
     def head_modules(self) -> list[nn.Module]:
-        return [self.model.get_submodule(p) for p in self._head_paths()]
+        return [self.model.get_submodule(p) for p in self.head_paths()]
+
+    def _final_norm_paths(self) -> list[str]:
+        """Dotted paths of what runs between the last block and a classifier's head (the final
+        norm): needed for the family's sequence and token classifiers only."""
+        raise NotImplementedError
+
+    def final_norm(self, hidden: Tensor) -> Tensor:
+        """The last block's output as the base model returns it (its final norm)."""
+        raise NotImplementedError
+
+    def head_paths(self) -> list[str]:
+        """Dotted paths of the modules run after the last block, for this model's task."""
+        if self.task == CAUSAL_LM:
+            return self._head_paths()
+        return self._final_norm_paths() + head_module_paths(self.model, self.task)
 
     def tied_weights(self) -> list[tuple[str, str]]:
         """Pairs (later name, first name) of model parameters that are the same tensor.
@@ -136,6 +166,28 @@ class ModelAdapter(abc.ABC):
     @abc.abstractmethod
     def head(self, hidden: Tensor) -> Tensor:
         """Logits from the last block's output."""
+
+    def task_head(self, hidden: Tensor, input_ids: Tensor | None = None) -> Tensor:
+        """The model's logits from the last block's output, for its task: the causal LM's `head`;
+        a classifier's head after `final_norm` (a sequence classifier's pooled at each row's last
+        non-pad token of `input_ids`)."""
+        if self.task == CAUSAL_LM:
+            return self.head(hidden)
+        hidden = self.final_norm(hidden)
+        for path in head_module_paths(self.model, self.task):
+            hidden = self.model.get_submodule(path)(hidden)
+        if self.task == SEQUENCE_CLASSIFICATION:
+            return last_non_pad_logits(hidden, input_ids, self.config)
+        return hidden
+
+    def loss(self, logits: Tensor, labels: Tensor, normaliser=None, loss_function=None) -> Tensor:
+        """The loss of a micro-batch's logits: the sum of its terms over `normaliser` (the step's
+        `batching.count_items`), or the model's own mean without one. A causal LM's goes through
+        `loss_function` (default: the model's `loss_function`), as its forward does."""
+        if self.task == CAUSAL_LM:
+            function = loss_function or self.model.loss_function
+            return function(logits, labels, vocab_size=self.config.vocab_size, num_items_in_batch=normaliser)
+        return classification_loss(self.task, self.config, logits, labels, normaliser)
 
     def build_stage(self, start: int, stop: int, *, first: bool, last: bool) -> StageModule:
         """Blocks [start, stop), with the embeddings if `first` and the head if `last`."""
@@ -223,7 +275,7 @@ class StageModule(nn.Module):
             paths += adapter._embedding_paths()
         paths += [f"{adapter.blocks_path}.{i}" for i in range(start, stop)]
         if last:
-            paths += adapter._head_paths()
+            paths += adapter.head_paths()
         paths += adapter._context_paths()
         model = adapter.model
         for path in paths:
@@ -233,15 +285,18 @@ class StageModule(nn.Module):
     def adapter(self) -> ModelAdapter:
         return self._adapter
 
-    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """First stage: `x` is input_ids; otherwise hidden states. Returns logits if last."""
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None, input_ids: Tensor | None = None) -> Tensor:
+        """First stage: `x` is input_ids; otherwise hidden states. Returns logits if last
+        (`input_ids`: the batch's, where a sequence classifier pools at the last non-pad token)."""
         adapter = self._adapter
         hidden = adapter.embed(x, attention_mask) if self.first else x
         if self.stop > self.start:
             context = adapter.block_context(hidden, attention_mask)
             for index in range(self.start, self.stop):
                 hidden = adapter.run_block(index, hidden, context)
-        return adapter.head(hidden) if self.last else hidden
+        if not self.last:
+            return hidden
+        return adapter.task_head(hidden, x if self.first and input_ids is None else input_ids)
 
     def extra_repr(self) -> str:
         return f"blocks=[{self.start}, {self.stop}), first={self.first}, last={self.last}"

@@ -52,7 +52,7 @@ def check_adapter(
 ) -> None:
     """Raise AssertionError unless stages of `model` reproduce the unsplit model exactly.
 
-    Runs `batch` (default: a seeded left-padded batch) through the stages `stage_ranges`
+    Runs `batch` (default: a seeded left-padded batch, for a causal LM) through the stages `stage_ranges`
     (default: 3 near-equal stages, fewer for shallower models) and through an unsplit deep
     copy, then compares logits, loss and every parameter's gradient (tolerances `atol`,
     `rtol`; exact by default, as the stages run the model's own operations in its order).
@@ -71,12 +71,12 @@ def check_adapter(
     rng = torch.get_rng_state()  # dropout draws the same numbers in both runs
     hidden = batch["input_ids"]
     for stage in stages:
-        hidden = stage(hidden, batch["attention_mask"])
+        hidden = stage(hidden, batch["attention_mask"], batch["input_ids"])
     torch.set_rng_state(rng)
     ref = reference(**batch, use_cache=False)
     tol = dict(atol=atol, rtol=rtol)
     torch.testing.assert_close(hidden, ref.logits, **tol, msg=lambda m: f"logits: {m}")
-    loss = model.loss_function(hidden, batch["labels"], vocab_size=model.config.vocab_size)
+    loss = adapter.loss(hidden, batch["labels"])
     torch.testing.assert_close(loss, ref.loss, **tol, msg=lambda m: f"loss: {m}")
     loss.backward()
     ref.loss.backward()

@@ -107,6 +107,12 @@ class DecoderAdapter(ModelAdapter):
     def _head_paths(self) -> list[str]:
         return [self.norm_path, self.lm_head_path]
 
+    def _final_norm_paths(self) -> list[str]:
+        return [self.norm_path]
+
+    def final_norm(self, hidden: Tensor) -> Tensor:
+        return self._module(self.norm_path)(hidden)
+
     def _context_paths(self) -> list[str]:
         return [self.rotary_path]
 

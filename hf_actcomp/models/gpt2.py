@@ -25,6 +25,12 @@ class GPT2Adapter(ModelAdapter):
     def _head_paths(self) -> list[str]:
         return ["transformer.ln_f", "lm_head"]
 
+    def _final_norm_paths(self) -> list[str]:
+        return ["transformer.ln_f"]
+
+    def final_norm(self, hidden: Tensor) -> Tensor:
+        return self.model.transformer.ln_f(hidden)
+
     @staticmethod
     def _position_ids(hidden: Tensor) -> Tensor:
         # GPT-2 numbers positions 0..L-1 whatever the padding (no cache: past length 0).

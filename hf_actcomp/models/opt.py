@@ -42,6 +42,12 @@ class OPTAdapter(ModelAdapter):
             paths.append("model.decoder.project_out")
         return paths + ["lm_head"]
 
+    def _final_norm_paths(self) -> list[str]:
+        return self._head_paths()[:-1]
+
+    def final_norm(self, hidden: Tensor) -> Tensor:
+        return self._before_lm_head(hidden)
+
     @staticmethod
     def _position_mask(hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
         # As OPTDecoder: an all-ones float mask stands in for a missing one (positions only).

@@ -23,11 +23,14 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from .heads import CAUSAL_LM, task_of
+
 
 def router_spec(model: nn.Module) -> tuple[type, int] | None:
     """(router module class, index of the logits in its output) when `model` is an MoE model
-    that asks for the load-balancing loss (`config.output_router_logits=True`), else None."""
-    if not getattr(model.config, "output_router_logits", False):
+    that asks for the load-balancing loss (`config.output_router_logits=True`), else None.
+    Only a causal LM adds it to its loss (transformers' classifiers do not)."""
+    if not getattr(model.config, "output_router_logits", False) or task_of(model) != CAUSAL_LM:
         return None
     base = getattr(model, model.base_model_prefix, model)
     recorder = (getattr(type(base), "_can_record_outputs", None) or {}).get("router_logits")

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..batching import check_batch, count_label_tokens, micro_batch_count, split_batch
+from ..batching import check_batch, count_items, micro_batch_count, split_batch
 from ..boundary import Boundary
 from ..models import unwrap_peft
+from ..models.heads import check_rows
 from ..plan import Plan
 from ..state.weight_shards import StageWeights
 from . import construction as build
@@ -87,6 +88,7 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
         self.group, self.dp_group = groups.pipeline, groups.data_parallel
         self.config = model.config
         self.loss_function = model.loss_function
+        self.task = adapter.task  # what the last stage's head computes (models/heads.py)
         self.device = build.stage_device(device)
         blocks = self.ranges[self.mesh.stage]
         self.stage = build.build_stage(model, adapter, blocks, self.mesh, self.device, compiling)
@@ -178,6 +180,7 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
             sync: average over replicas after this step (default: True outside `no_sync()`).
         """
         check_batch(batch, self.plan, training=True, sample_range=self.sample_range)
+        check_rows(self.task, self.config, batch["input_ids"].shape[0])
         if self.outer is not None and not self.outer.attached:
             raise RuntimeError("Plan.dp_compression='diloco' steps the replicas together after every sync_every steps "
                                "of the inner optimizer: call pipe.attach_optimizer(optimizer) once before training.")
@@ -187,7 +190,7 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
             self.autotuner.select(micro, batch["input_ids"], self._optimizer_steps)
             self.compression = self._compression_state()  # the state of the ends now in force
         start = time.perf_counter()
-        num_tokens = count_label_tokens(batch["labels"])
+        num_tokens = count_items(self.task, self.config, batch["labels"])
         normaliser = self.collectives.loss_normaliser(num_tokens, num_items_in_batch, self.plan.micro_batches)
         self.runner.post_receives(micro, training=True)
         if self.tie is not None:
@@ -217,11 +220,12 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
         is no loss (`loss` None)."""
         has_labels = batch.get("labels") is not None
         check_batch(batch, self.plan, training=False, needs_labels=has_labels)
+        check_rows(self.task, self.config, batch["input_ids"].shape[0])
         was_training = self.stage.training
         self.stage.eval()
         try:
             micro = split_batch(batch, micro_batch_count(batch, self.plan, training=False), self.device)
-            num_tokens = count_label_tokens(batch["labels"]) if has_labels else 0
+            num_tokens = count_items(self.task, self.config, batch["labels"]) if has_labels else 0
             normaliser = (self.collectives.eval_normaliser(num_tokens, num_items_in_batch, self.plan.micro_batches)
                           if has_labels else None)
             total, logits = self.evaluation.run(micro, batch["input_ids"], normaliser, compress=compress,

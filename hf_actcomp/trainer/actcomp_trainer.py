@@ -36,6 +36,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 
 from .. import hub
 from ..data import SAMPLE_ID
+from ..models import unwrap_peft
+from ..models.heads import CAUSAL_LM, task_of
 from ..plan import CONFIG_NAME, Plan
 from ..samples import SAMPLES_KEY, LogSamplesCallback, complete
 from ..state.compression import COMPRESSION_STATE_DIR
@@ -293,8 +295,9 @@ class ActCompTrainer(Trainer):
         and the rest keep their contract), fed by the stages; the metrics also get
         `{prefix}_plain_loss` (without the boundary codecs, unless `eval_plain_loss=False`),
         `{prefix}_token_loss` / `_plain_token_loss` (mean per predicted token) and
-        `{prefix}_perplexity` / `_plain_perplexity`. See `hf_actcomp.trainer.evaluation`."""
-        self.eval_extras = EvalExtras()
+        `{prefix}_perplexity` / `_plain_perplexity` (a causal LM's only: a classifier's loss is
+        not per token). See `hf_actcomp.trainer.evaluation`."""
+        self.eval_extras = EvalExtras(per_token=task_of(unwrap_peft(self.model)) == CAUSAL_LM)
         with self._backend.evaluation():
             output = super().evaluation_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
                                              ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)

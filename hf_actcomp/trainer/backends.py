@@ -18,12 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate.utils.memory import clear_device_cache
+from torch import nn
 from transformers import AutoModelForCausalLM
 
 from .. import hub
 from ..batching import count_label_tokens
 from ..inference import compressed_inference
 from ..models import unwrap_peft
+from ..models.heads import CAUSAL_LM, task_of
 from ..pipeline import prepare
 from ..pipeline.loading import load_stage_model
 from ..pipeline.mesh import check_world_size
@@ -218,6 +220,12 @@ class Pipelined(Backend):
         return load_stage_model(name, self.plan, torch_dtype=torch_dtype)
 
     def start(self) -> None:
+        model = unwrap_peft(self.trainer.model)  # (a path loads as a causal LM)
+        if isinstance(model, nn.Module) and task_of(model) != CAUSAL_LM:  # before any collective
+            raise ValueError(
+                f"ActCompTrainer with several processes trains causal LMs so far; {type(model).__name__} is a "
+                f"{task_of(model)} model. Train it in one process (the stages in-process, as plain Trainer counts "
+                "its loss), or with hf_actcomp.prepare() and Pipeline.train_step in your own loop.")
         init_distributed(self.timeout)  # a DiLoCo replica of one process: Accelerate leaves it down
         self.runner = prepare(self.trainer.model, self.plan, timeout=self.timeout, autocast_dtype=self.autocast_dtype,
                               **self.compiling())

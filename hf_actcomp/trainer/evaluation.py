@@ -47,10 +47,11 @@ def trainer_item_count(trainer, inputs: dict[str, Any]) -> int | None:
 
 
 class EvalExtras:
-    """The metrics ActCompTrainer adds to Trainer's: the loss without the codec, and the mean per
-    predicted token with and without it (sums over one evaluation)."""
+    """The metrics ActCompTrainer adds to Trainer's: the loss without the codec, and (`per_token`:
+    a causal LM's) the mean per predicted token with and without it (sums over one evaluation)."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_token: bool = True) -> None:
+        self.per_token = per_token
         self.rows = 0
         self.plain_rows = 0  # rows evaluated without the codec too (none when that pass is off)
         self.plain = 0.0  # sum of the batches' losses without the codec (Trainer's), weighted by rows
@@ -81,6 +82,8 @@ class EvalExtras:
             out.update({f"{prefix}_plain_loss": self.plain / self.plain_rows,
                         f"{prefix}_plain_token_loss": plain_token_loss,
                         f"{prefix}_plain_perplexity": math.exp(min(plain_token_loss, 50.0))})
+        if not self.per_token:
+            out = {k: v for k, v in out.items() if not k.endswith(("token_loss", "perplexity"))}
         return out
 
 
