@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from .aqsgd_memory import check_sample_ids
-from .models.heads import CAUSAL_LM, TOKEN_CLASSIFICATION, problem_type
+from .models.heads import CAUSAL_LM, MASKED_LM, TOKEN_CLASSIFICATION, problem_type
 from .plan import Plan
 
-BATCH_KEYS = ("input_ids", "attention_mask", "labels", "sample_id")
+BATCH_KEYS = ("input_ids", "attention_mask", "labels", "sample_id", "token_type_ids")
 
 
 @dataclass
@@ -24,6 +24,7 @@ class MicroBatch:
     attention_mask: torch.Tensor | None
     labels: torch.Tensor
     sample_id: torch.Tensor | None
+    token_type_ids: torch.Tensor | None = None  # an encoder's segments (BERT), read by the first stage
 
 
 def count_label_tokens(labels: torch.Tensor, *, shifted: bool = True, shift_labels: torch.Tensor | None = None) -> int:
@@ -38,11 +39,11 @@ def count_label_tokens(labels: torch.Tensor, *, shifted: bool = True, shift_labe
 
 def count_items(task: str, config, labels: torch.Tensor) -> int:
     """What a step's loss divides by, for the model's task (models/heads.py): label tokens for a
-    causal LM (shifted) and a token classifier (not shifted), labelled rows for single-label
+    causal LM (shifted), a token classifier and a masked LM (not shifted), labelled rows for single-label
     sequence classification, rows for regression and multi-label classification."""
     if task == CAUSAL_LM:
         return count_label_tokens(labels)
-    if task == TOKEN_CLASSIFICATION:
+    if task in (TOKEN_CLASSIFICATION, MASKED_LM):
         return count_label_tokens(labels, shifted=False)
     if problem_type(config, labels) == "single_label_classification":
         return int(labels.ne(-100).sum())
@@ -57,7 +58,8 @@ def check_batch(batch: dict[str, torch.Tensor | None], plan: Plan, training: boo
     unknown = set(batch) - set(BATCH_KEYS)
     if "input_ids" not in batch or unknown:
         raise ValueError(
-            f"A pipeline batch has input_ids (required), attention_mask, labels and sample_id; got keys "
+            f"A pipeline batch has input_ids (required), attention_mask, labels, sample_id and (an encoder's) "
+            f"token_type_ids; got keys "
             f"{sorted(batch)}."
         )
     rows, num_micro = batch["input_ids"].shape[0], plan.micro_batches

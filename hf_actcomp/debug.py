@@ -29,6 +29,8 @@ DEBUG_FAMILIES = (
     "olmo2",
     "mixtral",
 )
+# Encoders: no causal LM; `debug_model(family, task=...)` builds their classifiers and masked LM.
+ENCODER_FAMILIES = ("bert", "roberta")
 
 _VOCAB = 256
 _HIDDEN = 64
@@ -36,14 +38,19 @@ _LAYERS = 4
 _HEADS = 4
 _POSITIONS = 128
 
-_LLAMA_STYLE: dict[str, Any] = dict(
+# The sizes every family with transformers' standard config names shares.
+_SIZES: dict[str, Any] = dict(
     vocab_size=_VOCAB,
     hidden_size=_HIDDEN,
-    intermediate_size=2 * _HIDDEN,
     num_hidden_layers=_LAYERS,
     num_attention_heads=_HEADS,
-    num_key_value_heads=2,
     max_position_embeddings=_POSITIONS,
+)
+
+_LLAMA_STYLE: dict[str, Any] = dict(
+    _SIZES,
+    intermediate_size=2 * _HIDDEN,
+    num_key_value_heads=2,
     attention_dropout=0.0,
     tie_word_embeddings=False,
     bos_token_id=1,
@@ -58,6 +65,8 @@ _GEMMA: dict[str, Any] = dict(
     tie_word_embeddings=True,
     pad_token_id=0,
 )
+
+_ENCODER: dict[str, Any] = dict(_SIZES, intermediate_size=2 * _HIDDEN, attention_probs_dropout_prob=0.0)
 
 _FAMILY_KWARGS: dict[str, dict[str, Any]] = {
     "gpt2": dict(
@@ -76,13 +85,9 @@ _FAMILY_KWARGS: dict[str, dict[str, Any]] = {
         eos_token_id=_VOCAB - 1,
     ),
     "opt": dict(
-        vocab_size=_VOCAB,
-        hidden_size=_HIDDEN,
+        _SIZES,
         word_embed_proj_dim=_HIDDEN,
         ffn_dim=2 * _HIDDEN,
-        num_hidden_layers=_LAYERS,
-        num_attention_heads=_HEADS,
-        max_position_embeddings=_POSITIONS,
         dropout=0.0,
         attention_dropout=0.0,
         layerdrop=0.0,
@@ -100,6 +105,9 @@ _FAMILY_KWARGS: dict[str, dict[str, Any]] = {
     "phi3": dict(_LLAMA_STYLE, sliding_window=4, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0),
     "olmo2": dict(_LLAMA_STYLE, pad_token_id=0),
     "mixtral": dict(_LLAMA_STYLE, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0),
+    # Dropout between layers stays (0.1): the stages draw it in the model's order.
+    "bert": dict(_ENCODER, pad_token_id=0, type_vocab_size=2),
+    "roberta": dict(_ENCODER, pad_token_id=1, type_vocab_size=1, bos_token_id=0, eos_token_id=2),
 }
 
 
@@ -114,9 +122,9 @@ def default_attention(family: str) -> str:
 
 
 def _check_family(family: str) -> None:
-    if family not in DEBUG_FAMILIES:
+    if family not in DEBUG_FAMILIES + ENCODER_FAMILIES:
         raise ValueError(
-            f"Unknown debug family {family!r}. Available families: {', '.join(DEBUG_FAMILIES)}."
+            f"Unknown debug family {family!r}. Available families: {', '.join(DEBUG_FAMILIES + ENCODER_FAMILIES)}."
         )
 
 
@@ -136,18 +144,24 @@ AUTO_CLASSES = {
     "causal_lm": transformers.AutoModelForCausalLM,
     "sequence_classification": transformers.AutoModelForSequenceClassification,
     "token_classification": transformers.AutoModelForTokenClassification,
+    "masked_lm": transformers.AutoModelForMaskedLM,
 }
 
 
 def debug_model(family: str, seed: int = 0, task: str = "causal_lm", **overrides: Any) -> transformers.PreTrainedModel:
     """A randomly initialised model built from `debug_config(family, **overrides)`: the causal
     LM, or with `task` the family's sequence or token classifier (3 labels and pad token 0 unless
-    overridden: a sequence classifier pools at each row's last non-pad token).
+    overridden: a sequence classifier pools at each row's last non-pad token), or an encoder's
+    (`ENCODER_FAMILIES`) classifiers and masked LM.
 
     The same `seed` gives the same weights, so two calls build identical models.
     """
     if task not in AUTO_CLASSES:
         raise ValueError(f"task={task!r}: choose one of {', '.join(AUTO_CLASSES)}.")
+    encoder = family in ENCODER_FAMILIES
+    if (encoder and task == "causal_lm") or (not encoder and task == "masked_lm"):
+        raise ValueError(f"task={task!r} with the {family} family: encoders ({', '.join(ENCODER_FAMILIES)}) build "
+                         "sequence_classification, token_classification or masked_lm; decoders the others.")
     if task != "causal_lm":
         overrides = {"num_labels": 3, **overrides}
         if debug_config(family).pad_token_id is None:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import (
     CausalLMOutputWithPast,
+    MaskedLMOutput,
     SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
@@ -30,7 +31,12 @@ from .batching import MicroBatch, check_batch, count_items, micro_batch_count, s
 from .boundary import Boundary
 from .models import get_adapter
 from .models.compile import compile_blocks, compile_options
-from .models.heads import CAUSAL_LM, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, check_rows
+from .models.heads import (
+    CAUSAL_LM,
+    MASKED_LM,
+    SEQUENCE_CLASSIFICATION,
+    TOKEN_CLASSIFICATION,
+)
 from .models.router import RouterLoss, router_spec
 from .models.split import stage_ranges
 from .pipeline.tie import TieCompressor, exact_rows_nbytes
@@ -91,7 +97,7 @@ class _InferenceBoundary(torch.autograd.Function):
 
 # What the model's own forward returns, by task (models/heads.py).
 OUTPUTS = {CAUSAL_LM: CausalLMOutputWithPast, SEQUENCE_CLASSIFICATION: SequenceClassifierOutputWithPast,
-           TOKEN_CLASSIFICATION: TokenClassifierOutput}
+           TOKEN_CLASSIFICATION: TokenClassifierOutput, MASKED_LM: MaskedLMOutput}
 
 
 class SimulatedPipeline(nn.Module):
@@ -163,6 +169,7 @@ class SimulatedPipeline(nn.Module):
         labels: torch.Tensor | None = None,
         sample_id: torch.Tensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
+        token_type_ids: torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Run the stages micro-batch by micro-batch. The loss is the HF model's: the mean over
@@ -174,12 +181,13 @@ class SimulatedPipeline(nn.Module):
         if unknown:
             raise TypeError(
                 f"SimulatedPipeline.forward got unsupported arguments {sorted(unknown)}; it takes "
-                "input_ids, attention_mask, labels, sample_id and num_items_in_batch."
+                "input_ids, attention_mask, labels, sample_id, num_items_in_batch and (an encoder's) token_type_ids."
             )
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "sample_id": sample_id}
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "sample_id": sample_id,
+                 "token_type_ids": token_type_ids}
         compress = self.training
         check_batch(batch, self.plan, training=compress, needs_labels=False)
-        check_rows(self.adapter.task, self.config, input_ids.shape[0])
+        self.adapter.check_batch(batch)
         micro = split_batch(batch, micro_batch_count(batch, self.plan, compress))
         # A classifier's own forward takes no `num_items_in_batch` (its loss is the call's mean), so
         # the stages do not either: Trainer then treats both alike.
@@ -201,7 +209,7 @@ class SimulatedPipeline(nn.Module):
         h, mask = mb.input_ids, mb.attention_mask
         with self.router.collecting() if self.router else contextlib.nullcontext():
             for s, stage in enumerate(self.stages):
-                h = stage(h, mask, mb.input_ids)
+                h = stage(h, mask, mb.input_ids, mb.token_type_ids)
                 if s < len(self.stages) - 1:
                     forward = self.boundaries[f"boundary{s}.forward"]
                     if compress:

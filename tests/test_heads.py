@@ -19,10 +19,10 @@ from transformers.models.auto.modeling_auto import (
 
 import hf_actcomp
 from hf_actcomp import Plan
-from hf_actcomp.debug import DEBUG_FAMILIES, debug_config, debug_model
+from hf_actcomp.debug import DEBUG_FAMILIES, ENCODER_FAMILIES, debug_config, debug_model
 from hf_actcomp.models import check_adapter, get_adapter
 from hf_actcomp.models.check import padded_batch
-from hf_actcomp.models.heads import SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
+from hf_actcomp.models.heads import MASKED_LM, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
 
 EXACT = dict(atol=0.0, rtol=0.0)
 CLOSE = dict(atol=1e-6, rtol=1e-5)
@@ -42,8 +42,13 @@ def classifier_batch(model, padding: str = "left", rows: int = 3, labels: torch.
     mask = batch["attention_mask"]
     if mask is not None:
         batch["input_ids"] = batch["input_ids"].masked_fill(mask == 0, model.config.pad_token_id)
+    if model.config.model_type == "bert":  # two segments, as a sentence pair
+        batch["token_type_ids"] = (torch.arange(batch["input_ids"].shape[1]) >= 5).long().expand_as(batch["input_ids"]).clone()
     if labels is not None:
         batch["labels"] = labels
+    elif get_adapter(model).task == MASKED_LM:  # every third token is a prediction target
+        targets = torch.arange(batch["input_ids"].numel()).view_as(batch["input_ids"]) % 3 == 0
+        batch["labels"] = batch["input_ids"].masked_fill(~targets, -100)
     elif get_adapter(model).task == TOKEN_CLASSIFICATION:
         batch["labels"] = (batch["input_ids"] % model.config.num_labels).masked_fill(
             mask == 0 if mask is not None else torch.zeros_like(batch["input_ids"], dtype=torch.bool), -100)
@@ -59,7 +64,9 @@ def grads(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("padding", ["right", "left"])
 @pytest.mark.parametrize("ranges", [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]], ids=["2-stage", "3-stage"])
 @pytest.mark.parametrize("family, task", [(f, SEQUENCE_CLASSIFICATION) for f in DEBUG_FAMILIES]
-                         + [(f, TOKEN_CLASSIFICATION) for f in TOKEN_FAMILIES])
+                         + [(f, TOKEN_CLASSIFICATION) for f in TOKEN_FAMILIES]
+                         + [(f, t) for f in ENCODER_FAMILIES
+                            for t in (SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, MASKED_LM)])
 def test_chained_stages_match_the_unsplit_classifier(family, task, ranges, padding):
     model = debug_model(family, task=task)
     assert get_adapter(model).task == task
@@ -171,19 +178,24 @@ PIPELINE_CASES = {
     "llama-regression": ("llama", SEQUENCE_CLASSIFICATION, {"num_labels": 1}),
     "opt-multi-label": ("opt", SEQUENCE_CLASSIFICATION, {"problem_type": "multi_label_classification"}),
     "qwen2-tokens": ("qwen2", TOKEN_CLASSIFICATION, {"classifier_dropout": 0.0}),
+    # segments through the first stage; the masked-LM head tied to the first stage's embedding
+    "bert-single-label": ("bert", SEQUENCE_CLASSIFICATION, {"hidden_dropout_prob": 0.0}),
+    "roberta-masked-lm": ("roberta", MASKED_LM, {"hidden_dropout_prob": 0.0}),
 }
 
 
 def case_batch(case: str, model) -> dict:
     """The 4-row batch of a pipeline case, with labels of its problem type."""
     problem = {"llama-regression": "regression", "opt-multi-label": "multi_label_classification"}.get(case)
-    labels = PROBLEMS[problem][1] if problem else (None if "tokens" in case else torch.tensor([2, 0, 1, 1]))
+    labels = PROBLEMS[problem][1] if problem else (None if case.endswith(("tokens", "masked-lm"))
+                                                   else torch.tensor([2, 0, 1, 1]))
     return classifier_batch(model, "right", rows=4, labels=labels)
 
 
 def test_two_processes_match_the_unsplit_classifier(tmp_path):
     """`prepare` + `train_step` / `eval_step` on 2 ranks: the loss, the last stage's logits and
-    every parameter's gradient equal the unsplit model's (each parameter on exactly one rank)."""
+    every parameter's gradient equal the unsplit model's (BERT's segments reach the first stage,
+    RoBERTa's masked-LM head stays tied to the first stage's embedding)."""
     from distributed import run_workers
     from safetensors.torch import load_file
 
@@ -199,12 +211,16 @@ def test_two_processes_match_the_unsplit_classifier(tmp_path):
             torch.testing.assert_close(got[rank]["loss"][0], expected.loss.detach(), **CLOSE)
             torch.testing.assert_close(got[rank]["eval_loss"][0], expected.loss.detach(), **CLOSE)
         torch.testing.assert_close(got[1]["logits"], expected.logits.detach(), **CLOSE)
-        seen = [name[len("grad."):] for g in got for name in g if name.startswith("grad.")]
+        # A head tied to the input embedding (the masked LM): the last stage's copy owns the
+        # gradient, under the head's name; every parameter's gradient is on exactly one rank.
+        alias = dict(get_adapter(reference).tied_weights())
+        seen = [alias.get(name[5:], name[5:]) for g in got for name in g if name.startswith("grad.")]
         assert sorted(seen) == sorted(want), f"{case}: every gradient on exactly one rank"
         for g in got:
             for name, grad in g.items():
                 if name.startswith("grad."):
-                    torch.testing.assert_close(grad, want[name[5:]], **CLOSE, msg=lambda m, c=case, n=name: f"{c} {n}: {m}")
+                    torch.testing.assert_close(grad, want[alias.get(name[5:], name[5:])], **CLOSE,
+                                               msg=lambda m, c=case, n=name: f"{c} {n}: {m}")
 
 
 def classification_rows(rows: int = 32, length: int = 12, num_labels: int = 3):
@@ -228,14 +244,15 @@ def class_collator(features: list[dict]) -> dict[str, torch.Tensor]:
             "labels": torch.tensor([f["labels"] for f in features])}
 
 
-def test_trainer_in_one_process_matches_plain_trainer_for_a_classifier(tmp_path):
+@pytest.mark.parametrize("family, overrides", [("llama", {}), ("bert", {"hidden_dropout_prob": 0.0})])
+def test_trainer_in_one_process_matches_plain_trainer_for_a_classifier(tmp_path, family, overrides):
     """ActCompTrainer in one process (the stages through simulate) on a sequence classifier:
     the same logged losses, gradient norms, final weights and evaluation as plain Trainer."""
     from trainer_cases import training_args
     from transformers import Trainer
 
     def run(trainer_class, output_dir, **kwargs):
-        model = debug_model("llama", task=SEQUENCE_CLASSIFICATION)
+        model = debug_model(family, task=SEQUENCE_CLASSIFICATION, **overrides)
         trainer = trainer_class(model=model, args=training_args(str(tmp_path / output_dir)), train_dataset=classification_rows(),
                                 eval_dataset=classification_rows(8), data_collator=class_collator, **kwargs)
         trainer.train()
@@ -301,3 +318,39 @@ def test_compressed_inference_and_lora_take_a_classifier():
     assert set(grads(ours)) == set(want) and any("score" in n for n in want) and any("lora_A" in n for n in want)
     for name, grad in grads(ours).items():
         torch.testing.assert_close(grad, want[name], **CLOSE, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_encoders_over_micro_batches_and_their_refusals():
+    """BERT with segments (token_type_ids) in 2 micro-batches through simulate: the unsplit
+    model's loss, logits and gradients; BERT as a decoder, and an encoder without an adapter
+    (DeBERTa-v2), are refused by name."""
+    import transformers
+
+    model = debug_model("bert", task=SEQUENCE_CLASSIFICATION, hidden_dropout_prob=0.0)
+    reference = copy.deepcopy(model)
+    batch = classifier_batch(model, "right", rows=4, labels=torch.tensor([0, 2, 1, 1]))
+    assert batch["token_type_ids"].sum() > 0
+    expected = reference(**batch)
+    expected.loss.backward()
+    out = hf_actcomp.simulate(model, Plan(num_stages=2, micro_batches=2))(**batch)
+    out.loss.backward()
+    torch.testing.assert_close(out.logits, expected.logits, **CLOSE)
+    want = grads(reference)
+    assert set(grads(model)) == set(want) and "bert.embeddings.token_type_embeddings.weight" in want
+    for name, grad in grads(model).items():
+        torch.testing.assert_close(grad, want[name], **CLOSE, msg=lambda m, n=name: f"{n}: {m}")
+
+    decoder = transformers.BertLMHeadModel(debug_config("bert", is_decoder=True))
+    with pytest.raises(ValueError, match=r"BertLMHeadModel: bert as a decoder .* is not supported"):
+        get_adapter(decoder)
+    deberta = transformers.AutoModelForSequenceClassification.from_config(transformers.DebertaV2Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64))
+    with pytest.raises(ValueError, match=r"Model type 'deberta-v2' is not supported\. Supported model types: bert, "):
+        get_adapter(deberta)
+    with pytest.raises(ValueError, match=r"task='causal_lm' with the bert family: encoders"):
+        debug_model("bert")
+    llama = debug_model("llama", task=SEQUENCE_CLASSIFICATION)
+    segments = {**classifier_batch(llama, "right"), "token_type_ids": torch.zeros(3, 10, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"LlamaForSequenceClassification \(through hf-actcomp's stages\) takes no "
+                                         r"token_type_ids: they are an encoder's segments"):
+        hf_actcomp.simulate(llama, Plan(num_stages=2))(**segments)

@@ -22,7 +22,13 @@ import transformers
 
 import hf_actcomp
 import hf_actcomp.models as models
-from hf_actcomp.debug import DEBUG_FAMILIES, debug_config, debug_model, default_attention
+from hf_actcomp.debug import (
+    DEBUG_FAMILIES,
+    ENCODER_FAMILIES,
+    debug_config,
+    debug_model,
+    default_attention,
+)
 from hf_actcomp.models import (
     VERIFIED_TYPES,
     DecoderAdapter,
@@ -226,10 +232,10 @@ def test_debug_configs_exercise_each_family_feature():
 
 def test_debug_config_unknown_family():
     with pytest.raises(ValueError) as info:
-        debug_config("bert")
+        debug_config("deberta-v2")
     assert str(info.value) == (
-        "Unknown debug family 'bert'. Available families: gpt2, opt, llama, mistral, qwen2, "
-        "qwen3, gemma2, gemma3_text, phi3, olmo2, mixtral."
+        "Unknown debug family 'deberta-v2'. Available families: gpt2, opt, llama, mistral, qwen2, "
+        "qwen3, gemma2, gemma3_text, phi3, olmo2, mixtral, bert, roberta."
     )
     with pytest.raises(ValueError, match="Available families"):
         debug_model("gptj")
@@ -253,13 +259,13 @@ def tiny_gpt_neox():
 
 
 def test_unsupported_model_type_lists_supported_ones():
-    assert supported_model_types() == sorted(["gpt2", "opt", *VERIFIED_TYPES])
-    assert sorted(DEBUG_FAMILIES) == supported_model_types()  # every verified family is tested
+    assert supported_model_types() == sorted(["gpt2", "opt", *VERIFIED_TYPES, *ENCODER_FAMILIES])
+    assert sorted(DEBUG_FAMILIES + ENCODER_FAMILIES) == supported_model_types()  # every verified family is tested
     with pytest.raises(ValueError) as info:
         get_adapter(tiny_gpt_neox())
     assert str(info.value) == (
-        "Model type 'gpt_neox' is not supported. Supported model types: gemma2, gemma3_text, "
-        "gpt2, llama, mistral, mixtral, olmo2, opt, phi3, qwen2, qwen3. See "
+        "Model type 'gpt_neox' is not supported. Supported model types: bert, gemma2, gemma3_text, "
+        "gpt2, llama, mistral, mixtral, olmo2, opt, phi3, qwen2, qwen3, roberta. See "
         "docs/adding_a_model.md to add an adapter."
     )
     bert = transformers.BertLMHeadModel(
@@ -272,7 +278,8 @@ def test_unsupported_model_type_lists_supported_ones():
             is_decoder=True,
         )
     )
-    with pytest.raises(ValueError, match="Model type 'bert' is not supported"):
+    with pytest.raises(ValueError, match=r"BertLMHeadModel: bert as a decoder \(is_decoder=True, a causal LM head\) "
+                                         r"is not supported; hf-actcomp splits its encoder"):
         get_adapter(bert)
 
 

@@ -358,7 +358,8 @@ def test_pipelined_evaluation_hands_every_batch_key_to_the_stages():
     batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
     pipelined_prediction_step(trainer, pipe, batch, prediction_loss_only=True, preprocess=None)
     assert seen == [["attention_mask", "input_ids", "labels", "token_type_ids"]]
-    with pytest.raises(ValueError, match=r"got keys \['attention_mask', 'input_ids', 'labels', 'token_type_ids'\]"):
+    batch["position_ids"] = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"])
+    with pytest.raises(ValueError, match=r"got keys \['attention_mask', 'input_ids', 'labels', 'position_ids', 'token_type_ids'\]"):
         check_batch(batch, Plan(num_stages=2), training=False)
 
 

@@ -13,6 +13,7 @@ It also mirrors the same forward with a KV cache, on the new tokens only (`embed
 from __future__ import annotations
 
 import abc
+import inspect
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -22,6 +23,7 @@ from transformers import Cache, PreTrainedModel
 from .heads import (
     CAUSAL_LM,
     SEQUENCE_CLASSIFICATION,
+    check_rows,
     classification_loss,
     head_module_paths,
     last_non_pad_logits,
@@ -138,13 +140,16 @@ class ModelAdapter(abc.ABC):
         """Pairs (later name, first name) of model parameters that are the same tensor.
 
         Found by identity rather than from the config, so it reflects what the model really
-        shares (e.g. `("lm_head.weight", "transformer.wte.weight")` for GPT-2).
+        shares (e.g. `("lm_head.weight", "transformer.wte.weight")` for GPT-2). A tie within the
+        head (BERT's `cls.predictions.bias` and its decoder's bias) stays on one stage: not listed.
         """
         first: dict[int, str] = {}
         pairs: list[tuple[str, str]] = []
+        heads = tuple(f"{path}." for path in self.head_paths())
         for name, param in self.model.named_parameters(remove_duplicate=False):
             if id(param) in first:
-                pairs.append((name, first[id(param)]))
+                if not (name.startswith(heads) and first[id(param)].startswith(heads)):  # not within one head
+                    pairs.append((name, first[id(param)]))
             else:
                 first[id(param)] = name
         return pairs
@@ -188,6 +193,16 @@ class ModelAdapter(abc.ABC):
             function = loss_function or self.model.loss_function
             return function(logits, labels, vocab_size=self.config.vocab_size, num_items_in_batch=normaliser)
         return classification_loss(self.task, self.config, logits, labels, normaliser)
+
+    def check_batch(self, batch: dict[str, Tensor | None]) -> None:
+        """Refuse, before any work and on every rank alike, what this model cannot take: a
+        sequence classifier's rows without a pad token, segments (`token_type_ids`) for a model
+        whose embeddings take none."""
+        check_rows(self.task, self.config, batch["input_ids"].shape[0])
+        if batch.get("token_type_ids") is not None and "token_type_ids" not in inspect.signature(self.embed).parameters:
+            raise ValueError(f"{type(self.model).__name__} (through hf-actcomp's stages) takes no token_type_ids: "
+                             "they are an encoder's segments. Drop the key from the batch (the tokenizer's "
+                             "return_token_type_ids=False).")
 
     def build_stage(self, start: int, stop: int, *, first: bool, last: bool) -> StageModule:
         """Blocks [start, stop), with the embeddings if `first` and the head if `last`."""
@@ -285,11 +300,17 @@ class StageModule(nn.Module):
     def adapter(self) -> ModelAdapter:
         return self._adapter
 
-    def forward(self, x: Tensor, attention_mask: Tensor | None = None, input_ids: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None, input_ids: Tensor | None = None,
+                token_type_ids: Tensor | None = None) -> Tensor:
         """First stage: `x` is input_ids; otherwise hidden states. Returns logits if last
-        (`input_ids`: the batch's, where a sequence classifier pools at the last non-pad token)."""
+        (`input_ids`: the batch's, where a sequence classifier pools at the last non-pad token;
+        `token_type_ids`: an encoder's segments, for its embeddings)."""
         adapter = self._adapter
-        hidden = adapter.embed(x, attention_mask) if self.first else x
+        if self.first:
+            segments = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+            hidden = adapter.embed(x, attention_mask, **segments)
+        else:
+            hidden = x
         if self.stop > self.start:
             context = adapter.block_context(hidden, attention_mask)
             for index in range(self.start, self.stop):

@@ -71,7 +71,7 @@ def check_adapter(
     rng = torch.get_rng_state()  # dropout draws the same numbers in both runs
     hidden = batch["input_ids"]
     for stage in stages:
-        hidden = stage(hidden, batch["attention_mask"], batch["input_ids"])
+        hidden = stage(hidden, batch["attention_mask"], batch["input_ids"], batch.get("token_type_ids"))
     torch.set_rng_state(rng)
     ref = reference(**batch, use_cache=False)
     tol = dict(atol=atol, rtol=rtol)

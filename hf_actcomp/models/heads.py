@@ -10,7 +10,12 @@ Three tasks, told apart by the model's class as transformers names it:
   the last stage has the ids); the loss as `config.problem_type` says (regression,
   single- or multi-label);
 - `token_classification` (`...ForTokenClassification`): the final norm, dropout and the
-  classifier on every position; cross-entropy over the labelled tokens (labels not shifted).
+  classifier on every position; cross-entropy over the labelled tokens (labels not shifted);
+- `masked_lm` (`...ForMaskedLM`, encoders): the LM head on every position; cross-entropy over
+  the vocabulary at the labelled (masked) tokens, labels not shifted.
+
+Encoders (models/encoder.py) run their own heads (BERT's pooler on the first token, RoBERTa's
+classification head) in place of the decoders' final norm and pooling; the losses are these.
 
 The loss of a micro-batch is the unsplit model's loss of the whole batch restricted to it: the
 sum of its terms divided by the step's count of them (`batching.count_items`), so the micro-batches add
@@ -28,7 +33,8 @@ from transformers.loss.loss_utils import fixed_cross_entropy
 CAUSAL_LM = "causal_lm"
 SEQUENCE_CLASSIFICATION = "sequence_classification"
 TOKEN_CLASSIFICATION = "token_classification"
-TASKS = (CAUSAL_LM, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION)
+MASKED_LM = "masked_lm"
+TASKS = (CAUSAL_LM, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, MASKED_LM)
 
 # The task head's modules after the final norm, by task: the first set whose modules all exist.
 HEAD_MODULES = {
@@ -46,10 +52,12 @@ def task_of(model: nn.Module) -> str:
         return SEQUENCE_CLASSIFICATION
     if name.endswith("ForTokenClassification"):
         return TOKEN_CLASSIFICATION
+    if name.endswith("ForMaskedLM"):
+        return MASKED_LM
     raise ValueError(
         f"{name} is not a model hf-actcomp splits: it takes a family's causal LM (AutoModelForCausalLM), "
-        "sequence classifier (AutoModelForSequenceClassification) or token classifier "
-        "(AutoModelForTokenClassification)."
+        "sequence classifier (AutoModelForSequenceClassification), token classifier "
+        "(AutoModelForTokenClassification) or an encoder's masked LM (AutoModelForMaskedLM)."
     )
 
 
@@ -105,10 +113,12 @@ def problem_type(config, labels: Tensor) -> str:
 
 def classification_loss(task: str, config, logits: Tensor, labels: Tensor,
                         normaliser: int | Tensor | None) -> Tensor:
-    """The loss of a sequence or token classifier's micro-batch: its terms' sum over `normaliser`
+    """The loss of a classifier's (or masked LM's) micro-batch: its terms' sum over `normaliser`
     (the step's `batching.count_items`), or the model's own mean when `normaliser` is None."""
     labels = labels.to(logits.device)
     num_labels = config.num_labels
+    if task == MASKED_LM:
+        return fixed_cross_entropy(logits.view(-1, config.vocab_size), labels.view(-1), num_items_in_batch=normaliser)
     if task == TOKEN_CLASSIFICATION:
         return fixed_cross_entropy(logits.view(-1, num_labels).float(), labels.view(-1),
                                    num_items_in_batch=normaliser)

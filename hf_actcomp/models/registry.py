@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 
 from .base import ModelAdapter
 from .decoder import DecoderAdapter, has_standard_layout
+from .encoder import EncoderAdapter
 from .gpt2 import GPT2Adapter
 from .opt import OPTAdapter
 
@@ -70,8 +71,8 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
 
 
 def get_adapter(model: PreTrainedModel) -> ModelAdapter:
-    """The adapter for `model` (a causal LM, or a `peft.PeftModel` of one), chosen by
-    `model.config.model_type`."""
+    """The adapter for `model` (a causal LM, a classifier or masked LM, or a `peft.PeftModel` of
+    one), chosen by `model.config.model_type`."""
     model = unwrap_peft(model)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     cls = ADAPTERS.get(model_type) if isinstance(model_type, str) else None
@@ -91,6 +92,6 @@ def get_adapter(model: PreTrainedModel) -> ModelAdapter:
     return cls(model)
 
 
-for _cls in (GPT2Adapter, OPTAdapter, DecoderAdapter):
+for _cls in (GPT2Adapter, OPTAdapter, DecoderAdapter, EncoderAdapter):
     register_adapter(_cls)
 del _cls

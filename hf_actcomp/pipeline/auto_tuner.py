@@ -87,7 +87,7 @@ class AutoTuner:
             x = mb.input_ids if runner.is_first else torch.randn(
                 runner.shape(mb), dtype=runner.boundary_dtype, device=device, requires_grad=True)
             with runner.autocast():
-                out = runner.stage(x, mb.attention_mask, mb.input_ids)
+                out = runner.stage(x, mb.attention_mask, mb.input_ids, mb.token_type_ids)
                 loss = runner.loss(out, mb.labels, None) if runner.is_last else out.float().sum()
             loss.backward()
             if device.type == "cuda":

@@ -21,7 +21,6 @@ from torch import nn
 from ..batching import check_batch, count_items, micro_batch_count, split_batch
 from ..boundary import Boundary
 from ..models import unwrap_peft
-from ..models.heads import check_rows
 from ..plan import Plan
 from ..state.weight_shards import StageWeights
 from . import construction as build
@@ -89,6 +88,7 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
         self.config = model.config
         self.loss_function = model.loss_function
         self.task = adapter.task  # what the last stage's head computes (models/heads.py)
+        self.check_model_batch = adapter.check_batch  # what this model cannot take, refused before any work
         self.device = build.stage_device(device)
         blocks = self.ranges[self.mesh.stage]
         self.stage = build.build_stage(model, adapter, blocks, self.mesh, self.device, compiling)
@@ -180,7 +180,7 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
             sync: average over replicas after this step (default: True outside `no_sync()`).
         """
         check_batch(batch, self.plan, training=True, sample_range=self.sample_range)
-        check_rows(self.task, self.config, batch["input_ids"].shape[0])
+        self.check_model_batch(batch)
         if self.outer is not None and not self.outer.attached:
             raise RuntimeError("Plan.dp_compression='diloco' steps the replicas together after every sync_every steps "
                                "of the inner optimizer: call pipe.attach_optimizer(optimizer) once before training.")
@@ -220,7 +220,7 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
         is no loss (`loss` None)."""
         has_labels = batch.get("labels") is not None
         check_batch(batch, self.plan, training=False, needs_labels=has_labels)
-        check_rows(self.task, self.config, batch["input_ids"].shape[0])
+        self.check_model_batch(batch)
         was_training = self.stage.training
         self.stage.eval()
         try:

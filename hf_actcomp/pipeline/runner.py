@@ -180,7 +180,7 @@ class StageRunner:
             x, side = self.links["forward_in"].receive(i, self.shape(mb), sample_ids=mb.sample_id)
             x = x.detach().requires_grad_(True)
         with self.autocast(), self.collecting_routers():
-            out = self.stage(x, mb.attention_mask, mb.input_ids)
+            out = self.stage(x, mb.attention_mask, mb.input_ids, mb.token_type_ids)
             if self.is_last:
                 loss = self.loss(out, mb.labels, normaliser)
         stats, probs = self.router.partial(mb.attention_mask, self.device, side) if self.router else (None, None)
@@ -201,7 +201,7 @@ class StageRunner:
         if not self.is_first:
             x, side = self.links["forward_in"].receive(i, self.shape(mb), codec=receiver)
         with self.autocast(), self.collecting_routers():
-            out = self.stage(x, mb.attention_mask, mb.input_ids)
+            out = self.stage(x, mb.attention_mask, mb.input_ids, mb.token_type_ids)
         stats, probs = self.router.partial(mb.attention_mask, self.device, side) if self.router else (None, None)
         if not self.is_last:
             self.links["forward_out"].send(i, out, stats, codec=sender, counter=counter)
