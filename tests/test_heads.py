@@ -223,32 +223,11 @@ def test_two_processes_match_the_unsplit_classifier(tmp_path):
                                                msg=lambda m, c=case, n=name: f"{c} {n}: {m}")
 
 
-def classification_rows(rows: int = 32, length: int = 12, num_labels: int = 3):
-    """Token rows of 6..length tokens (ids 1..255: 0 is the pad token) with a class per row."""
-    import datasets
-
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, 256, (rows, length), generator=g)
-    lengths = torch.randint(6, length + 1, (rows,), generator=g)
-    tokens = [ids[i, : lengths[i]].tolist() for i in range(rows)]
-    return datasets.Dataset.from_dict({"input_ids": tokens, "attention_mask": [[1] * len(t) for t in tokens],
-                                       "labels": (torch.arange(rows) % num_labels).tolist()})
-
-
-def class_collator(features: list[dict]) -> dict[str, torch.Tensor]:
-    """Right-pad ids (pad token 0) and masks to the batch's longest row; one label per row."""
-    longest = max(len(f["input_ids"]) for f in features)
-    return {"input_ids": torch.tensor([f["input_ids"] + [0] * (longest - len(f["input_ids"])) for f in features]),
-            "attention_mask": torch.tensor([f["attention_mask"] + [0] * (longest - len(f["attention_mask"]))
-                                            for f in features]),
-            "labels": torch.tensor([f["labels"] for f in features])}
-
-
 @pytest.mark.parametrize("family, overrides", [("llama", {}), ("bert", {"hidden_dropout_prob": 0.0})])
 def test_trainer_in_one_process_matches_plain_trainer_for_a_classifier(tmp_path, family, overrides):
     """ActCompTrainer in one process (the stages through simulate) on a sequence classifier:
     the same logged losses, gradient norms, final weights and evaluation as plain Trainer."""
-    from trainer_cases import training_args
+    from trainer_cases import class_collator, classification_rows, training_args
     from transformers import Trainer
 
     def run(trainer_class, output_dir, **kwargs):
@@ -270,15 +249,15 @@ def test_trainer_in_one_process_matches_plain_trainer_for_a_classifier(tmp_path,
         torch.testing.assert_close(p.detach(), reference.get_parameter(name).detach(), rtol=0, atol=1e-5, msg=name)
 
 
-def test_trainer_with_several_processes_refuses_a_classifier_before_any_collective():
+def test_trainer_with_data_parallel_refuses_a_classifier_before_any_collective():
     from types import SimpleNamespace
 
     from hf_actcomp.trainer.backends import Pipelined
 
     trainer = SimpleNamespace(model=debug_model("gpt2", task=SEQUENCE_CLASSIFICATION))
-    backend = Pipelined(trainer, None, Plan(num_stages=2), timeout=5, autocast_dtype=None)
-    with pytest.raises(ValueError, match=r"several processes trains causal LMs so far; GPT2ForSequenceClassification "
-                                         r"is a sequence_classification model\. Train it in one process"):
+    backend = Pipelined(trainer, None, Plan(num_stages=2, data_parallel=2), timeout=5, autocast_dtype=None)
+    with pytest.raises(ValueError, match=r"data_parallel > 1 trains causal LMs so far; GPT2ForSequenceClassification "
+                                         r"is a sequence_classification model\. Use data_parallel=1"):
         backend.start()
 
 

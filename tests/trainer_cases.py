@@ -109,3 +109,22 @@ def extending_trainer():
 def doubled(loss_function):
     """A model's loss function, doubled: a loss of the user's own, set with `model.loss_function =`."""
     return lambda *args, **kwargs: 2 * loss_function(*args, **kwargs)
+
+
+def classification_rows(rows: int = 32, length: int = 12, num_labels: int = 3):
+    """Token rows of 6..length tokens (ids 1..255: 0 is the pad token) with a class per row."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 256, (rows, length), generator=g)
+    lengths = torch.randint(6, length + 1, (rows,), generator=g)
+    tokens = [ids[i, : lengths[i]].tolist() for i in range(rows)]
+    return datasets.Dataset.from_dict({"input_ids": tokens, "attention_mask": [[1] * len(t) for t in tokens],
+                                       "labels": (torch.arange(rows) % num_labels).tolist()})
+
+
+def class_collator(features: list[dict]) -> dict[str, torch.Tensor]:
+    """Right-pad ids (pad token 0) and masks to the batch's longest row; one label per row."""
+    longest = max(len(f["input_ids"]) for f in features)
+    return {"input_ids": torch.tensor([f["input_ids"] + [0] * (longest - len(f["input_ids"])) for f in features]),
+            "attention_mask": torch.tensor([f["attention_mask"] + [0] * (longest - len(f["attention_mask"]))
+                                            for f in features]),
+            "labels": torch.tensor([f["labels"] for f in features])}

@@ -306,7 +306,10 @@ class ActCompTrainer(Trainer):
 
     def eval_item_count(self, inputs: dict[str, Any]) -> int | None:
         """What an evaluation batch's token-loss sum is divided by, as the parent trainer does it
-        (None: the batch's own mean). Trainer: its `num_items_in_batch` count of the batch."""
+        (None: the batch's own mean). Trainer: its `num_items_in_batch` count of the batch; a
+        classifier's evaluation loss is its own mean (Trainer's `prediction_step` passes no count)."""
+        if task_of(unwrap_peft(self.model)) != CAUSAL_LM:
+            return None
         return trainer_item_count(self, inputs)
 
     def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool,

@@ -22,7 +22,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from .. import hub
-from ..batching import count_label_tokens
+from ..batching import count_items, count_label_tokens
 from ..inference import compressed_inference
 from ..models import unwrap_peft
 from ..models.heads import CAUSAL_LM, task_of
@@ -221,11 +221,11 @@ class Pipelined(Backend):
 
     def start(self) -> None:
         model = unwrap_peft(self.trainer.model)  # (a path loads as a causal LM)
-        if isinstance(model, nn.Module) and task_of(model) != CAUSAL_LM:  # before any collective
-            raise ValueError(
-                f"ActCompTrainer with several processes trains causal LMs so far; {type(model).__name__} is a "
-                f"{task_of(model)} model. Train it in one process (the stages in-process, as plain Trainer counts "
-                "its loss), or with hf_actcomp.prepare() and Pipeline.train_step in your own loop.")
+        if isinstance(model, nn.Module) and task_of(model) != CAUSAL_LM and self.plan.data_parallel > 1:
+            raise ValueError(  # before any collective
+                f"ActCompTrainer with data_parallel > 1 trains causal LMs so far; {type(model).__name__} is a "
+                f"{task_of(model)} model. Use data_parallel=1 (one pipeline), or hf_actcomp.prepare() and "
+                "Pipeline.train_step in your own loop.")
         init_distributed(self.timeout)  # a DiLoCo replica of one process: Accelerate leaves it down
         self.runner = prepare(self.trainer.model, self.plan, timeout=self.timeout, autocast_dtype=self.autocast_dtype,
                               **self.compiling())
@@ -281,7 +281,12 @@ class Pipelined(Backend):
             clear_device_cache()  # as Trainer's training_step does
         steps = trainer.current_gradient_accumulation_steps
         scaled = num_items_in_batch is not None
-        if not scaled and steps > 1 and inputs.get("labels") is not None:
+        if self.pipe.task != CAUSAL_LM and inputs.get("labels") is not None:
+            # A classifier's own forward takes its call's mean and ignores the count Trainer passes,
+            # so Trainer divides by the accumulation steps only where it passes none: the same here.
+            count = count_items(self.pipe.task, self.pipe.config, inputs["labels"])
+            num_items_in_batch, scaled = (count if scaled else count * steps), True
+        elif not scaled and steps > 1 and inputs.get("labels") is not None:
             # Where Trainer lets the model take each batch's own mean (no loss kwargs), it divides
             # that mean by the accumulation steps before the backward: the same, as a normaliser.
             num_items_in_batch = self._over_replicas(count_label_tokens(inputs["labels"])) * steps

@@ -6,7 +6,8 @@ LogSamplesCallback, with a small tokenizer and the model's vocabulary sized to i
 checkpoint given to ActCompTrainer by path instead of the in-memory debug model), "predict" (compute_metrics
 and preprocess_logits_for_metrics from trainer_cases; after training, predict() and evaluate()), "subclass"
 (trainer_cases.extending_trainer instead of ActCompTrainer), "model_mean" (a model that takes no loss kwargs), "double_loss" (model.loss_function doubled), "plain" (transformers.Trainer on the whole model instead, DDP over
-the processes), "push" (Trainer.push_to_hub at the end, with the Hub's two calls recorded per rank)}. Each rank writes its logged losses
+the processes), "push" (Trainer.push_to_hub at the end, with the Hub's two calls recorded per rank), "task"
+(debug_model's task: a classifier trains on trainer_cases.classification_rows)}. Each rank writes its logged losses
 (`losses-rank{r}.json`) and its stage's parameters (`weights-rank{r}.safetensors`).
 """
 
@@ -26,6 +27,8 @@ from hf_actcomp.debug import debug_model
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainer_cases import (  # noqa: E402
     argmax_logits,
+    class_collator,
+    classification_rows,
     doubled,
     extending_trainer,
     lora_model,
@@ -78,8 +81,11 @@ def main(spec: dict, out_dir: str) -> None:
         record_uploads(out_dir)
     tokenizer = sample_tokenizer() if spec.get("samples") else None
     overrides = {"vocab_size": len(tokenizer)} if tokenizer is not None else {}
-    model = spec.get("model_path") or \
-        debug_model(spec.get("family", "gpt2"), seed=0, **overrides).to(getattr(torch, spec.get("dtype", "float32")))
+    task = spec.get("task", "causal_lm")  # a classifier trains on classification_rows
+    model = spec.get("model_path") or debug_model(spec.get("family", "gpt2"), seed=0, task=task, **overrides).to(
+        getattr(torch, spec.get("dtype", "float32")))
+    train, evaluation, collator = ((ragged_dataset(), ragged_dataset(8, seed=1), pad_collator) if task == "causal_lm"
+                                   else (classification_rows(), classification_rows(8), class_collator))
     if spec.get("model_mean"):  # Trainer then passes no num_items_in_batch: the model takes each batch's mean
         model.accepts_loss_kwargs = False
     if spec.get("double_loss"):  # a loss of the user's own, set on the model (what replaces compute_loss)
@@ -91,12 +97,11 @@ def main(spec: dict, out_dir: str) -> None:
     metrics_kwargs = {"compute_metrics": token_metrics, "preprocess_logits_for_metrics": argmax_logits} \
         if spec.get("predict") else {}
     if spec.get("plain"):  # transformers.Trainer on the whole model, DDP over the processes: a reference
-        trainer = Trainer(model=model, args=args, train_dataset=ragged_dataset(), data_collator=pad_collator)
+        trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collator)
     else:
         trainer_class = extending_trainer() if spec.get("subclass") else hf_actcomp.ActCompTrainer
-        trainer = trainer_class(model=model, args=args, plan=plan, train_dataset=ragged_dataset(),
-                                eval_dataset=ragged_dataset(8, seed=1), data_collator=pad_collator,
-                                processing_class=tokenizer, **metrics_kwargs)
+        trainer = trainer_class(model=model, args=args, plan=plan, train_dataset=train, eval_dataset=evaluation,
+                                data_collator=collator, processing_class=tokenizer, **metrics_kwargs)
     if spec.get("samples"):
         sampler = hf_actcomp.LogSamplesCallback(trainer, spec["samples"], max_new_tokens=6)
         trainer.add_callback(sampler)
