@@ -1,6 +1,6 @@
 """What the last stage computes after the last block, by task, and its loss.
 
-Three tasks, told apart by the model's class as transformers names it:
+Four tasks, told apart by the model's class as transformers names it:
 
 - `causal_lm` (`...ForCausalLM`, `GPT2LMHeadModel`): the family adapter's own `head` (token
   logits) and the model's `loss_function` (token sum over the step's label tokens);
@@ -18,10 +18,11 @@ Encoders (models/encoder.py) run their own heads (BERT's pooler on the first tok
 classification head) in place of the decoders' final norm and pooling; the losses are these.
 
 The loss of a micro-batch is the unsplit model's loss of the whole batch restricted to it: the
-sum of its terms divided by the step's count of them (`batching.count_items`), so the micro-batches add
-up to the model's mean exactly. The count is of label tokens for the causal LM (shifted) and
-token classification, of labelled rows for single-label classification, and of rows for
-regression and multi-label classification (whose means run over rows x num_labels elements).
+sum of its terms divided by the step's count of them (`batching.count_items`), so the
+micro-batches add up to the model's mean exactly. The count is of label tokens for the causal LM
+(shifted), token classification and the masked LM, of labelled rows for single-label
+classification, and of rows for regression and multi-label classification (whose means run over
+rows x num_labels elements).
 """
 
 from __future__ import annotations
