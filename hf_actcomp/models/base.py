@@ -72,7 +72,7 @@ class ModelAdapter(abc.ABC):
         self.config = model.config
         # E.g. a bare LlamaModel (no head) instead of LlamaForCausalLM: a ValueError naming the class.
         self.task = task_of(model)
-        if self.task != CAUSAL_LM and type(self)._final_norm_paths is ModelAdapter._final_norm_paths:
+        if self.task != CAUSAL_LM and not hasattr(self, "final_norm"):
             raise ValueError(f"{type(self).__name__} splits the causal LM of {'/'.join(self.model_types)} only: "
                              f"{type(model).__name__} ({self.task}) needs the adapter's `_final_norm_paths` and "
                              "`final_norm` (docs/adding_a_model.md).")
@@ -121,14 +121,9 @@ class ModelAdapter(abc.ABC):
     def head_modules(self) -> list[nn.Module]:
         return [self.model.get_submodule(p) for p in self.head_paths()]
 
-    def _final_norm_paths(self) -> list[str]:
-        """Dotted paths of what runs between the last block and a classifier's head (the final
-        norm): needed for the family's sequence and token classifiers only."""
-        raise NotImplementedError
-
-    def final_norm(self, hidden: Tensor) -> Tensor:
-        """The last block's output as the base model returns it (its final norm)."""
-        raise NotImplementedError
+    # A family that also splits as a classifier defines `_final_norm_paths()` (dotted paths of
+    # what runs between the last block and the task head) and `final_norm(hidden)` (the last
+    # block's output as the base model returns it); without them a classifier is refused above.
 
     def head_paths(self) -> list[str]:
         """Dotted paths of the modules run after the last block, for this model's task."""

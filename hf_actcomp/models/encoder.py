@@ -22,7 +22,6 @@ from torch import Tensor, nn
 from transformers.masking_utils import create_bidirectional_mask
 
 from .base import ModelAdapter
-from .heads import CAUSAL_LM
 
 
 class EncoderAdapter(ModelAdapter):
@@ -78,4 +77,5 @@ class EncoderAdapter(ModelAdapter):
         return self.blocks()[index](hidden, context["attention_mask"], None, encoder_attention_mask=None, cache=None)
 
     def head(self, hidden: Tensor) -> Tensor:
-        raise NotImplementedError(f"{CAUSAL_LM}: not an encoder task")
+        """The task's logits (an encoder has no causal-LM head: that model is refused above)."""
+        return self.task_head(hidden)
