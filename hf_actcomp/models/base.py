@@ -76,6 +76,10 @@ class ModelAdapter(abc.ABC):
             raise ValueError(f"{type(self).__name__} splits the causal LM of {'/'.join(self.model_types)} only: "
                              f"{type(model).__name__} ({self.task}) needs the adapter's `_final_norm_paths` and "
                              "`final_norm` (docs/adding_a_model.md).")
+        # A decoder classifier's head modules after the final norm, found once (an adapter with
+        # its own head_paths, the encoders', names them itself).
+        uses_generic_head = self.task != CAUSAL_LM and type(self).head_paths is ModelAdapter.head_paths
+        self._task_modules = head_module_paths(model, self.task) if uses_generic_head else []
         try:
             for path in (
                 self.blocks_path,
@@ -89,6 +93,8 @@ class ModelAdapter(abc.ABC):
                 f"{type(self).__name__} expects a causal LM, sequence or token classifier of "
                 f"{'/'.join(self.model_types)}; {type(model).__name__} lacks a submodule: {err}"
             ) from err
+        # Whether the embeddings take an encoder's segments: looked up once, not every step.
+        self._takes_segments = "token_type_ids" in inspect.signature(self.embed).parameters
 
     # -- structure ---------------------------------------------------------------------------
 
@@ -129,7 +135,7 @@ class ModelAdapter(abc.ABC):
         """Dotted paths of the modules run after the last block, for this model's task."""
         if self.task == CAUSAL_LM:
             return self._head_paths()
-        return self._final_norm_paths() + head_module_paths(self.model, self.task)
+        return self._final_norm_paths() + self._task_modules
 
     def tied_weights(self) -> list[tuple[str, str]]:
         """Pairs (later name, first name) of model parameters that are the same tensor.
@@ -174,7 +180,7 @@ class ModelAdapter(abc.ABC):
         if self.task == CAUSAL_LM:
             return self.head(hidden)
         hidden = self.final_norm(hidden)
-        for path in head_module_paths(self.model, self.task):
+        for path in self._task_modules:
             hidden = self.model.get_submodule(path)(hidden)
         if self.task == SEQUENCE_CLASSIFICATION:
             return last_non_pad_logits(hidden, input_ids, self.config)
@@ -194,7 +200,7 @@ class ModelAdapter(abc.ABC):
         sequence classifier's rows without a pad token, segments (`token_type_ids`) for a model
         whose embeddings take none."""
         check_rows(self.task, self.config, batch["input_ids"].shape[0])
-        if batch.get("token_type_ids") is not None and "token_type_ids" not in inspect.signature(self.embed).parameters:
+        if batch.get("token_type_ids") is not None and not self._takes_segments:
             raise ValueError(f"{type(self.model).__name__} (through hf-actcomp's stages) takes no token_type_ids: "
                              "they are an encoder's segments. Drop the key from the batch (the tokenizer's "
                              "return_token_type_ids=False).")
