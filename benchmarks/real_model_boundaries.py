@@ -21,6 +21,8 @@ import json
 import os
 import sys
 import time
+import warnings
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -66,9 +68,13 @@ def codec_settings() -> dict[str, Compression]:
     }
 
 
-def roundtrip(compression: Compression):
-    """x -> what the receiver decodes at inference, and the payload's bits per element."""
-    codec = build_inference_codec(compression)
+def roundtrip(compression: Compression, inference_form: bool = False):
+    """x -> what the receiver decodes, and the payload's bits per element: the codec itself
+    (`inference="direct"`), or with `inference_form` what evaluation and generation send by
+    default (`inference="auto"`: hadamard_outliers 6 wherever the codec does not hold)."""
+    with warnings.catch_warnings():  # "measured to break": measuring that is the point here
+        warnings.simplefilter("ignore")
+        codec = build_inference_codec(compression if inference_form else replace(compression, inference="direct"))
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         return codec.decode(codec.encode(x), x.shape, x.dtype)
@@ -154,6 +160,11 @@ def main(argv=None) -> None:
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--codecs", nargs="+", default=None, help="labels (default: all)")
     p.add_argument("--name", default="real_model_boundaries")
+    p.add_argument("--inference-form", action="store_true",
+                   help="measure what evaluation sends by default (Compression.inference='auto') instead of each codec")
+    p.add_argument("--device", default="cpu", help="where the model runs (e.g. cuda)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the weights' and activations' dtype (the codecs see activations of this dtype)")
     args = p.parse_args(argv)
     if args.quick:
         args.eval_blocks, args.seq_len, args.single, args.stages = 2, 64, [8], [4]
@@ -161,9 +172,10 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     started = time.time()
-    model, tokenizer = smollm2.load()
+    model, tokenizer = smollm2.load(getattr(torch, args.dtype))
+    model.to(args.device)
     _, held_out = smollm2.stdlib_blocks(tokenizer, args.seq_len, train_blocks=1, eval_blocks=args.eval_blocks)
-    ids = torch.tensor(held_out["input_ids"])
+    ids = torch.tensor(held_out["input_ids"], device=args.device)
     walk = Walk(model, ids)
     base = walk.loss(walk.adapter.head(walk.states[-1]))
     print(f"plain eval loss {base:.4f} ({time.time() - started:.0f} s)", flush=True)
@@ -179,7 +191,7 @@ def main(argv=None) -> None:
     places += [(f"{s} stages", stage_boundaries(walk.adapter, s)) for s in args.stages]
     costs = []
     for label in labels:
-        apply, bits = roundtrip(settings[label])
+        apply, bits = roundtrip(settings[label], args.inference_form)
         row = {"codec": label, "bits_per_element": bits(tuple(ids.shape) + (model.config.hidden_size,)), "cost": {}}
         for place, boundaries in places:
             loss = walk.loss_with(boundaries, apply)
@@ -188,6 +200,13 @@ def main(argv=None) -> None:
         print(f"[{time.time() - started:5.0f} s] {label}: " + ", ".join(f"{k} {v:+.2f}%" for k, v in row["cost"].items()),
               flush=True)
     write(args, base, stats, costs, [name for name, _ in places], time.time() - started)
+
+
+def where(device: str) -> str:
+    """The device in words: the GPU's name, or this CPU."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return "this CPU"
 
 
 def write(args, base: float, stats: list[dict], costs: list[dict], places: list[str], seconds: float) -> None:
@@ -199,10 +218,14 @@ def write(args, base: float, stats: list[dict], costs: list[dict], places: list[
         "# SmolLM2-135M-Instruct: boundary statistics and the inference cost of each forward codec",
         "",
         f"`benchmarks/real_model_boundaries.py`: {args.eval_blocks} held-out blocks of {args.seq_len} tokens of "
-        f"stdlib source (benchmarks/smollm2.py), plain eval loss {base:.4f}; fp32 weights dequantized from the "
-        f"Q4_1 GGUF; {seconds / 60:.0f} min on this CPU. Deterministic: one run.",
+        f"stdlib source (benchmarks/smollm2.py), plain eval loss {base:.4f}; weights dequantized from the "
+        f"Q4_1 GGUF, run in {getattr(args, 'dtype', 'float32')} on {where(getattr(args, 'device', 'cpu'))}; "
+        f"{seconds / 60:.1f} min. Deterministic: one run.",
         "",
-        "## Eval-loss cost of a forward codec at inference (vs plain)",
+        "## Eval-loss cost of " + ("each codec's inference form (`Compression.inference='auto'`, the default: "
+                                   "hadamard_outliers 6 wherever the codec was measured not to hold)"
+                                   if getattr(args, "inference_form", False) else "a forward codec at inference")
+        + " (vs plain)",
         "",
         "Block k: the codec on the input of block k alone. S stages: at every boundary of the default split.",
         "",

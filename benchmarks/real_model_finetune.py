@@ -182,10 +182,12 @@ def add_grid_arguments(p: argparse.ArgumentParser, name: str, epochs: int, setti
     p.add_argument("--name", default=name)
 
 
-def run_grid(parser, args, names: list[str], allowed, keep: tuple[str, ...], sizes: dict, before, run, write_rows) -> None:
+def run_grid(parser, args, names: list[str], allowed, keep: tuple[str, ...], sizes: dict, before, run, write_rows,
+             before_key: str = "eval_loss_before") -> None:
     """Every (stages, seed, setting) of `args`, each row written as it lands; with `--merge` the
     saved rows of `results/{args.name}.json` stay unless re-run (refused when `keep`'s data
-    settings differ from the saved run's)."""
+    settings differ from the saved run's). `before()`, the model's figure before fine-tuning, is
+    recorded in the results' meta as `before_key`."""
     import platform
 
     unknown = sorted(set(names) - set(allowed))
@@ -202,7 +204,7 @@ def run_grid(parser, args, names: list[str], allowed, keep: tuple[str, ...], siz
             raise SystemExit(f"--merge needs the saved settings {({k: saved['meta']['args'][k] for k in keep})}")
         rows = saved["rows"]
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    meta = {"args": vars(args), **sizes, "eval_loss_before": before(),
+    meta = {"args": vars(args), **sizes, before_key: before(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"}
     for stages in args.stages:
         for seed in args.seeds:

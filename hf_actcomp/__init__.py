@@ -15,11 +15,13 @@ if TYPE_CHECKING:
     from . import hub, trackers
     from .samples import LogSamplesCallback
     from .trainer.actcomp_trainer import ActCompTrainer
+    from .trainer.reward_trainer import ActCompRewardTrainer
     from .trainer.sft_trainer import ActCompSFTTrainer
 
 from .version import __version__
 
 __all__ = [
+    "ActCompRewardTrainer",
     "ActCompSFTTrainer",
     "ActCompTrainer",
     "CompressedInference",
@@ -59,6 +61,10 @@ def __getattr__(name: str):
         from .trainer.sft_trainer import ActCompSFTTrainer
 
         return ActCompSFTTrainer
+    if name == "ActCompRewardTrainer":  # needs TRL too
+        from .trainer.reward_trainer import ActCompRewardTrainer
+
+        return ActCompRewardTrainer
     if name == "LogSamplesCallback":
         from .samples import LogSamplesCallback
 

@@ -44,13 +44,15 @@ def _report(results: list[WorkerResult], headline: str) -> str:
 
 
 def run_workers(script: str, world_size: int, args: list[str], timeout: float = 240,
-                check: bool = True, namespaces: list[tuple[str, str, str]] | None = None) -> list[WorkerResult]:
+                check: bool = True, namespaces: list[tuple[str, str, str]] | None = None,
+                env: dict[str, str] | None = None) -> list[WorkerResult]:
     """Run `tests/workers/<script>` in `world_size` processes with torch.distributed env vars.
 
     `timeout` bounds the whole job (not each rank in turn). Output goes to temporary files, so a
     chatty rank can never block on a full pipe. With `check`, any rank that failed or hung fails
     the test with every rank's stderr. `namespaces`: per rank (network namespace, its address,
     its interface), made by the test (`linked_namespaces`); rank 0's address is the rendezvous.
+    `env`: variables added to every rank's environment.
     """
     port = free_port()
     procs, files, killed = [], [], set()
@@ -58,17 +60,17 @@ def run_workers(script: str, world_size: int, args: list[str], timeout: float = 
     with tempfile.TemporaryDirectory(prefix="hf_actcomp_workers_") as logs:
         try:
             for rank in range(world_size):
-                env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                rank_env = dict(os.environ, **(env or {}), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                            HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
                 prefix = []
                 if namespaces:
-                    env.update(MASTER_ADDR=namespaces[0][1], GLOO_SOCKET_IFNAME=namespaces[rank][2])
+                    rank_env.update(MASTER_ADDR=namespaces[0][1], GLOO_SOCKET_IFNAME=namespaces[rank][2])
                     prefix = ["ip", "netns", "exec", namespaces[rank][0]]
                 out = open(os.path.join(logs, f"rank{rank}.out"), "w+")  # noqa: SIM115 - closed below
                 err = open(os.path.join(logs, f"rank{rank}.err"), "w+")  # noqa: SIM115
                 files.append((out, err))
-                procs.append(subprocess.Popen([*prefix, sys.executable, os.path.join(WORKERS, script), *args], env=env,
+                procs.append(subprocess.Popen([*prefix, sys.executable, os.path.join(WORKERS, script), *args], env=rank_env,
                                               stdout=out, stderr=err, text=True))
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -89,10 +89,12 @@ def sgd_losses(model, step, steps: int, lr: float = 0.1) -> list[float]:
 
 
 def simulated_sgd_losses(sim, steps: int) -> list[float]:
-    """`sgd_losses` of a `simulate()` module: what a pipeline's workers compare against."""
+    """`sgd_losses` of a `simulate()` module: what a pipeline's workers compare against. The
+    batches go where the model is (as a pipeline moves them to its stage's device)."""
+    device = next(sim.parameters()).device
 
     def step(batch):
-        loss = sim(**batch).loss
+        loss = sim(**{k: v.to(device) for k, v in batch.items()}).loss
         loss.backward()
         return loss
 

@@ -442,6 +442,20 @@ def test_prepare_without_distributed_is_a_clear_error():
         hf_actcomp.prepare(debug_model("gpt2"), hf_actcomp.Plan(num_stages=2))
 
 
+def test_a_bare_cuda_device_means_the_current_one(monkeypatch):
+    """`prepare(device="cuda")` crashed in torch.cuda.set_device (it needs an index), seen on a
+    GPU: the stage takes the current CUDA device, as torch reads a bare "cuda"."""
+    from hf_actcomp.pipeline import construction
+
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    assert construction.stage_device("cuda") == torch.device("cuda", 3)
+    assert construction.stage_device("cuda:1") == torch.device("cuda", 1)
+    assert made_current == [torch.device("cuda", 3), torch.device("cuda", 1)]
+    assert construction.stage_device("cpu") == torch.device("cpu") and len(made_current) == 2
+
+
 
 
 def test_frozen_parameters_tie_eval_mode_fp16_and_equal_shards(tmp_path):

@@ -62,3 +62,18 @@ def test_early_receives_are_posted_ahead_and_sends_at_once(batches):
     with pytest.raises(RuntimeError, match="receives posted but never taken: activations of micro-batch 1"):
         t.flush()  # a step must take every receive it posted
     assert t.posted == [] and second.work is not None
+
+
+def test_payloads_of_a_device_stage_on_gloo_go_through_the_host(batches):
+    """gloo moves host memory: a CUDA stage's receives land in a host buffer, handed back on the
+    stage's device (here the meta device stands in for CUDA); CPU stages are never staged."""
+    t = transport_module.Transport(None, rank=0, timeout=5.0, early=True, via_host=True)
+    device = torch.device("meta")
+    posted = t.post_recv(4, src=1, device=device, what="gradients", tag=2)
+    assert posted.buffer.device.type == "cpu"
+    assert t.wait_recv(posted).device == device
+    assert transport_module.Transport(None, rank=0, timeout=5.0, device=torch.device("cpu")).via_host is False
+    # gloo's works complete only through wait(): host-staged receives wait, CUDA ones (NCCL) poll.
+    cuda = torch.device("cuda")
+    assert t.poll is False and transport_module.Transport(None, 0, 5.0, device=cuda, via_host=True).poll is False
+    assert transport_module.Transport(None, 0, 5.0, device=cuda).poll is True  # not gloo: NCCL's buffers

@@ -128,3 +128,52 @@ def class_collator(features: list[dict]) -> dict[str, torch.Tensor]:
             "attention_mask": torch.tensor([f["attention_mask"] + [0] * (longest - len(f["attention_mask"]))
                                             for f in features]),
             "labels": torch.tensor([f["labels"] for f in features])}
+
+
+PREFERENCE_VOCAB = 300  # sample_tokenizer's vocabulary: RewardTrainer aligns the model's pad id to it
+
+
+def preference_rows(rows: int = 16, seed: int = 0) -> datasets.Dataset:
+    """Tokenized preference pairs as RewardTrainer takes them (`chosen_ids`, `rejected_ids` of 4-11
+    tokens, and a `margin` each), so that batches need padding."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids():
+        return torch.randint(3, PREFERENCE_VOCAB, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+
+    return datasets.Dataset.from_list([{"chosen_ids": ids(), "rejected_ids": ids(),
+                                        "margin": float(torch.rand(1, generator=g))} for _ in range(rows)])
+
+
+def reward_model():
+    """A random Llama reward model: a sequence classifier with one label."""
+    from hf_actcomp.debug import debug_model
+
+    return debug_model("llama", seed=0, task="sequence_classification", num_labels=1, vocab_size=PREFERENCE_VOCAB)
+
+
+def reward_config(output_dir: str, **overrides):
+    """RewardConfig for the exactness runs: fp32, accumulation 2, the centring term on."""
+    from trl import RewardConfig
+
+    kwargs = dict(output_dir=output_dir, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                  gradient_accumulation_steps=2, max_steps=4, logging_steps=1, learning_rate=1e-3, report_to=[],
+                  save_strategy="no", eval_strategy="no", use_cpu=True, seed=0, bf16=False,
+                  center_rewards_coefficient=0.01, disable_tqdm=True)
+    kwargs.update(overrides)
+    return RewardConfig(**kwargs)
+
+
+def reward_run(trainer_cls, output_dir: str, config: dict | None = None, **kwargs) -> dict:
+    """Train `trainer_cls` (RewardTrainer or ActCompRewardTrainer, with `kwargs` such as plan=) on
+    preference_rows for 4 steps, then evaluate on 6 pairs: the logged training entries and the
+    evaluation's metrics."""
+    trainer = trainer_cls(model=reward_model(), args=reward_config(output_dir, **(config or {})),
+                          train_dataset=preference_rows(), eval_dataset=preference_rows(6, seed=1),
+                          processing_class=sample_tokenizer(), **kwargs)
+    trainer.train()
+    logs = [{k: v for k, v in h.items() if not k.startswith("comm/")} for h in trainer.state.log_history if "loss" in h]
+    comm = [h.get("comm/compression_ratio") for h in trainer.state.log_history if "loss" in h]
+    metrics = trainer.evaluate()
+    return {"logs": logs, "eval": {k: v for k, v in metrics.items() if "runtime" not in k and "per_second" not in k},
+            "compression_ratio": comm}

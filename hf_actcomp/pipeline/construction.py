@@ -95,9 +95,12 @@ def split_model(model: nn.Module, plan: Plan) -> tuple[ModelAdapter, list[range]
 
 def stage_device(device: torch.device | str | None) -> torch.device:
     """Where this stage runs: `device`, else `cuda:LOCAL_RANK` under NCCL, else the CPU. A CUDA
-    device is made current: NCCL collectives and the *_object calls use the current device."""
+    device is made current: NCCL collectives and the *_object calls use the current device. A
+    bare "cuda" means the current one, as torch reads it."""
     if device is not None:
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     elif torch.cuda.is_available() and dist.get_backend() == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     else:

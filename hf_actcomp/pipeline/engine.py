@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -211,20 +212,23 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
 
     @torch.no_grad()
     def eval_step(self, batch: dict[str, torch.Tensor], *, compress: bool = True,
-                  num_items_in_batch: int | torch.Tensor | None = None, keep_logits: bool = False) -> StepOutput:
+                  num_items_in_batch: int | torch.Tensor | None = None, keep_logits: bool = False,
+                  micro_batches: int | None = None) -> StepOutput:
         """Loss of `batch` without gradients, through the stateless inference codec (AQ-SGD falls
         back as `Compression.inference` says); training state and the module's mode are kept.
         With `compress=False` activations cross uncompressed: the model's loss without the codec.
         `num_items_in_batch`: divide the token-loss sum by it (as `train_step`; default: the mean).
-        `keep_logits`: the last stage also returns the whole batch's logits. Without labels there
-        is no loss (`loss` None)."""
+        `keep_logits`: the last stage also returns the whole batch's logits. `micro_batches`: how
+        many to cut the batch into (default: the plan's, or one per row of a shorter batch; no
+        state depends on it here). Without labels there is no loss (`loss` None)."""
         has_labels = batch.get("labels") is not None
         check_batch(batch, self.plan, training=False, needs_labels=has_labels)
         self.check_model_batch(batch)
         was_training = self.stage.training
         self.stage.eval()
         try:
-            micro = split_batch(batch, micro_batch_count(batch, self.plan, training=False), self.device)
+            count = micro_batches or micro_batch_count(batch, self.plan, training=False)
+            micro = split_batch(batch, count, self.device)
             num_tokens = count_items(self.task, self.config, batch["labels"]) if has_labels else 0
             normaliser = (self.collectives.eval_normaliser(num_tokens, num_items_in_batch, self.plan.micro_batches)
                           if has_labels else None)
@@ -236,6 +240,15 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
             self.stage.train(was_training)
         loss = self.collectives.broadcast_loss(self.collectives.mean_over_replicas(total)) if has_labels else None
         return StepOutput(loss=loss, num_tokens=num_tokens, logits=torch.cat(logits) if logits else None)
+
+    def set_objective(self, objective: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+                      | None) -> None:
+        """Have the last stage compute `objective(logits, labels, normaliser)` for each micro-batch
+        instead of the model's loss (None restores the model's), in training and evaluation: a
+        trainer's own loss, such as a reward model's pairwise one. `normaliser` is what the model's
+        loss would divide its sum by (the step's `batching.count_items`, or None for a mean); the
+        micro-batches' results are summed. Set it on every rank alike; only the last stage calls it."""
+        self.runner.objective = objective
 
     def share_predictions(self, value):
         """The last stage's `value` (a tensor, a tuple or list of tensors, or None: e.g. its

@@ -9,6 +9,7 @@ of an end whose codec did not change.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -54,6 +55,8 @@ class StageRunner:
         self.device = device
         self.config = config
         self.loss_function = loss_function
+        # A trainer's own loss of a micro-batch (`Pipeline.set_objective`), in place of the model's.
+        self.objective: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
         self.boundary_dtype = boundary_dtype
         self.hidden_size = int(config.hidden_size)
         self.autocast_dtype = autocast_dtype
@@ -155,6 +158,8 @@ class StageRunner:
         return {"F": not self.is_first, "B": not self.is_last, "BW": not self.is_last}.get(kind, False)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, normaliser) -> torch.Tensor:
+        if self.objective is not None:
+            return self.objective(logits, labels, normaliser)
         return self.stage.adapter.loss(logits, labels, normaliser, loss_function=self.loss_function)
 
     def autocast(self):

@@ -20,6 +20,9 @@ Receives block the host until the payload has arrived, and fail after `timeout` 
 that names the peer. On CUDA, `Work.wait()` only makes the current stream wait, so the host polls
 `Work.is_completed()` against the deadline instead: the time spent waiting is then real, and a
 hung peer raises `PeerTimeoutError` on GPU as on CPU.
+
+gloo moves host memory: with CUDA stages on gloo (several processes sharing one GPU, or a link
+NCCL cannot cross) payloads are staged through the host, a copy of the compressed bytes each way.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class PostedRecv:
     src: int
     tag: int
     what: str
+    device: torch.device | None = None  # where the payload is wanted (the buffer may be on the host)
     work: dist.Work | None = None
 
 
@@ -58,18 +62,23 @@ class Transport:
         group: the pipeline's process group.
         rank: this process's global rank (for error messages).
         timeout: seconds any wait may take.
-        poll: wait by polling `Work.is_completed()` (default: when `device` is CUDA).
+        poll: wait by polling `Work.is_completed()` (default: CUDA buffers, i.e. a CUDA `device` not on gloo).
         early: post receives when `post_recv` is called and sends at once (default: on gloo);
             otherwise pair each send with the next receive (NCCL).
+        via_host: stage payloads through host memory (default: a CUDA `device` on gloo).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, timeout: float,
-                 device: torch.device | None = None, poll: bool | None = None, early: bool | None = None) -> None:
+                 device: torch.device | None = None, poll: bool | None = None, early: bool | None = None,
+                 via_host: bool | None = None) -> None:
         self.group = group
         self.rank = rank
         self.timeout = timeout
-        self.poll = poll if poll is not None else (device is not None and device.type == "cuda")
         self.early = early if early is not None else _is_gloo(group)
+        on_cuda = device is not None and device.type == "cuda"
+        self.via_host = via_host if via_host is not None else (on_cuda and _is_gloo(group))
+        # gloo's point-to-point works report completion only from wait(): poll CUDA buffers alone.
+        self.poll = poll if poll is not None else (on_cuda and not self.via_host)
         self.outbox: list[tuple[torch.Tensor, int, int]] = []  # sends waiting for the next receive
         self.pending: list[tuple[dist.Work, torch.Tensor, int]] = []  # posted sends
         self.posted: list[PostedRecv] = []  # receives posted early, not yet taken
@@ -82,14 +91,15 @@ class Transport:
         """Queue `payload` for `dst`. With `with_next_recv` (and not `early`), it is posted
         together with this process's next receive (the schedule's next action receives);
         otherwise at once."""
-        self.outbox.append((payload.contiguous(), dst, tag))
+        self.outbox.append((payload.to("cpu") if self.via_host else payload.contiguous(), dst, tag))
         if self.early or not with_next_recv:
             self._post([])
 
     def post_recv(self, nbytes: int, src: int, device: torch.device, what: str, *, tag: int = 0) -> PostedRecv:
         """A receive of `nbytes` from `src`, posted now when `early` (else when taken); take its
         payload with `wait_recv`. Receives of one tag from one peer match its sends in order."""
-        posted = PostedRecv(torch.empty(nbytes, dtype=torch.uint8, device=device), src, tag, what)
+        where = torch.device("cpu") if self.via_host else device
+        posted = PostedRecv(torch.empty(nbytes, dtype=torch.uint8, device=where), src, tag, what, device)
         if self.early:
             try:
                 posted.work = self._post([self._irecv(posted)])[-1]
@@ -112,7 +122,7 @@ class Transport:
             self.seconds_waiting += time.perf_counter() - start
             if posted in self.posted:
                 self.posted.remove(posted)
-        return posted.buffer
+        return posted.buffer.to(posted.device) if self.via_host else posted.buffer
 
     def recv(self, nbytes: int, src: int, device: torch.device, what: str, *, tag: int = 0) -> torch.Tensor:
         """Receive `nbytes` from `src` now (with the queued sends posted first); block until it arrives."""

@@ -100,7 +100,7 @@ def in_process_prediction_step(trainer, base, model, inputs, prediction_loss_onl
     (the model itself), noted in `trainer.eval_extras`."""
     loss, logits, labels = base.prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
     plain = None
-    if loss is not None:
+    if loss is not None and inputs.get("labels") is not None:  # (a reward model's loss has no labels)
         # Trainer's private `_prepare_inputs` (device placement, its input hooks): no public way to
         # prepare a batch exactly as `prediction_step` would.
         inputs = trainer._prepare_inputs(inputs)

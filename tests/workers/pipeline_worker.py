@@ -1,7 +1,8 @@
 """Worker of the multi-process pipeline tests: `python pipeline_worker.py SCENARIO OUT_DIR [...]`.
 
 Each scenario writes what the parent test compares (grads, losses, checksums) to OUT_DIR as
-safetensors / JSON, one file per rank.
+safetensors / JSON, one file per rank. `HF_ACTCOMP_TEST_DEVICE=cuda` runs the stages of `exact`,
+`compressed` and `hung_peer` on the GPU (tests/test_cuda.py), still over gloo.
 """
 
 import contextlib
@@ -28,6 +29,8 @@ from pipeline_cases import (  # noqa: E402
     training_batches,
 )
 
+DEVICE = torch.device(os.environ.get("HF_ACTCOMP_TEST_DEVICE", "cpu"))
+
 
 def stage_grads(pipe) -> dict:
     """This stage's gradients by parameter name; a parameter without one (the first stage's copy
@@ -44,7 +47,7 @@ def exact(out_dir: str, num_stages: int) -> None:
         model = debug_model(family, seed=0, **overrides)
         name, micro_batches = schedule_of(schedule, num_stages)
         plan = Plan(num_stages=num_stages, micro_batches=micro_batches, schedule=name)
-        pipe = hf_actcomp.prepare(model, plan, timeout=60)
+        pipe = hf_actcomp.prepare(model, plan, timeout=60, device=DEVICE)
         kept = {id(p) for p in pipe.stage.parameters()}
         assert all(p.numel() == 0 for p in model.parameters() if id(p) not in kept), "other stages not freed"
         out = pipe.train_step(padded_batch(model.config.vocab_size))
@@ -56,7 +59,7 @@ def exact(out_dir: str, num_stages: int) -> None:
         for category in ("evaluation", "router"):  # what eval_step sent, by category
             sent = [c.get(category, {}).get("bytes_sent", 0) for c in (before, after)]
             tensors[f"eval_step_{category}_bytes"] = torch.tensor([sent[1] - sent[0]])
-        save_file({k: v.contiguous() for k, v in tensors.items()},
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
                   os.path.join(out_dir, f"{case}-{schedule}-rank{rank}.safetensors"))
 
 
@@ -123,7 +126,7 @@ def compressed(out_dir: str, plan_name: str, steps: int, schedule: str) -> None:
     rank = dist.get_rank()
     model = debug_model("gpt2", seed=0)
     plan = COMPRESSED_PLANS[plan_name](schedule)
-    pipe = hf_actcomp.prepare(model, plan, timeout=60)
+    pipe = hf_actcomp.prepare(model, plan, timeout=60, device=DEVICE)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
     losses, checksums = [], []
     for batch in training_batches(model.config.vocab_size, steps):
@@ -376,10 +379,10 @@ def hung_peer(out_dir: str) -> None:
         # a gloo timeout closes the pair: poll first. "early": a receive posted ahead (as the
         # engine posts a step's receives at its start), taken later.
         for name in names:
-            transport = Transport(None, 0, timeout=2.0, poll=name != "poll0", early=name == "early")
+            transport = Transport(None, 0, timeout=2.0, device=DEVICE, poll=name != "poll0", early=name == "early")
             start = time.perf_counter()
             try:
-                posted = transport.post_recv(16, 1, torch.device("cpu"), "a message that never comes", tag=2)
+                posted = transport.post_recv(16, 1, DEVICE, "a message that never comes", tag=2)
                 time.sleep(0.5 if name == "early" else 0.0)
                 transport.wait_recv(posted)
             except hf_actcomp.PeerTimeoutError as err:
