@@ -24,7 +24,6 @@ import os
 import statistics
 import sys
 import sysconfig
-import time
 from dataclasses import replace
 
 import torch
@@ -33,12 +32,11 @@ from transformers import AutoModelForSequenceClassification, default_data_collat
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import smollm2  # noqa: E402
-from convergence import train_epochs  # noqa: E402
 from harness import write_markdown  # noqa: E402
-from real_model_finetune import add_grid_arguments, run_grid  # noqa: E402
+from real_model_finetune import add_grid_arguments, run_grid, train_simulated  # noqa: E402
 
 import hf_actcomp  # noqa: E402
-from hf_actcomp import Compression, MemoryConfig, Plan  # noqa: E402
+from hf_actcomp import Compression  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -112,23 +110,12 @@ def finetune(name: str, stages: int, seed: int, data, args, pad_token_id: int) -
     forward, backward = settings()[name]
     torch.manual_seed(seed)  # the score head's initialisation
     model = load_classifier(len(args.modules), pad_token_id)
-    plan = Plan(num_stages=stages, micro_batches=args.micro_batches, schedule="gpipe", forward=forward,
-                backward=backward, memory=MemoryConfig(num_samples=len(train), store="host", dtype="fp16"))
-    sim = hf_actcomp.simulate(model, plan)
-    optimizer = torch.optim.AdamW(sim.parameters(), lr=args.lr)
-    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
-                        collate_fn=default_data_collator, generator=torch.Generator().manual_seed(seed))
     evaluation = DataLoader(held_out, batch_size=16, collate_fn=default_data_collator)
-    start = time.perf_counter()
-    curve, epochs = train_epochs(sim, loader, optimizer, args.epochs, lambda: accuracy(model, evaluation))
-    seconds = time.perf_counter() - start
-    stats = sim.stats()
-    model.eval()
+    run = train_simulated(model, forward, backward, stages, seed, train, args, lambda: accuracy(model, evaluation))
+    plan, curve, epochs, seconds, sent, raw = (run[k] for k in ("plan", "curve", "epochs", "seconds", "sent", "raw"))
     direct = replace(plan, forward=replace(forward, inference="direct"), backward=replace(backward, inference="direct"))
     with hf_actcomp.compressed_inference(model, direct) as inf:
         with_codec = accuracy(inf, evaluation)
-    boundary = [stats["categories"][c] for c in ("activations", "activation_gradients")]
-    sent, raw = sum(c["bytes_sent"] for c in boundary), sum(c["bytes_uncompressed"] for c in boundary)
     row = {"setting": name, "stages": stages, "seed": seed, "forward": forward.describe(),
            "backward": backward.describe(), "accuracy": epochs[-1][0], "eval_loss": epochs[-1][1],
            "epoch_accuracy": [a for a, _ in epochs], "accuracy_with_codec": with_codec[0],

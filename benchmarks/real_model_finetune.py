@@ -59,28 +59,38 @@ def _aqsgd_outliers(bits: int) -> Compression:
     return Compression("aqsgd", inner="hadamard_outliers", bits=bits, first_visit=Compression("hadamard_outliers", bits=4))
 
 
-def finetune(name: str, stages: int, seed: int, data, args) -> dict:
-    train, held_out = data
-    forward, backward = settings()[name]
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(smollm2.smollm2_dir(), dtype=torch.float32)
+def train_simulated(model, forward: Compression, backward: Compression, stages: int, seed: int, train, args,
+                    evaluate) -> dict:
+    """`model` fine-tuned through the stages of a plan (`simulate`, GPipe, AQ-SGD memory for the
+    training rows), AdamW, the seed's batch order: its plan, training curve, `evaluate()` after
+    each epoch (plain inference), seconds, and the boundary bytes sent / uncompressed."""
     plan = Plan(num_stages=stages, micro_batches=args.micro_batches, schedule="gpipe", forward=forward,
                 backward=backward, memory=MemoryConfig(num_samples=len(train), store="host", dtype="fp16"))
     sim = hf_actcomp.simulate(model, plan)
     optimizer = torch.optim.AdamW(sim.parameters(), lr=args.lr)
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
                         collate_fn=default_data_collator, generator=torch.Generator().manual_seed(seed))
-    evaluation = DataLoader(held_out, batch_size=8, collate_fn=default_data_collator)
     start = time.perf_counter()
-    # The epochs' eval losses with plain inference: the trained weights, no boundary codec.
-    curve, epoch_eval = train_epochs(sim, loader, optimizer, args.epochs, lambda: eval_loss(model, evaluation))
+    curve, epochs = train_epochs(sim, loader, optimizer, args.epochs, evaluate)
     seconds = time.perf_counter() - start
     stats = sim.stats()
+    boundary = [stats["categories"][c] for c in ("activations", "activation_gradients")]
     model.eval()
+    return {"plan": plan, "curve": curve, "epochs": epochs, "seconds": seconds,
+            "sent": sum(c["bytes_sent"] for c in boundary), "raw": sum(c["bytes_uncompressed"] for c in boundary)}
+
+
+def finetune(name: str, stages: int, seed: int, data, args) -> dict:
+    train, held_out = data
+    forward, backward = settings()[name]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(smollm2.smollm2_dir(), dtype=torch.float32)
+    evaluation = DataLoader(held_out, batch_size=8, collate_fn=default_data_collator)
+    # The epochs' eval losses with plain inference: the trained weights, no boundary codec.
+    run = train_simulated(model, forward, backward, stages, seed, train, args, lambda: eval_loss(model, evaluation))
+    plan, curve, epoch_eval, seconds, sent, raw = (run[k] for k in ("plan", "curve", "epochs", "seconds", "sent", "raw"))
     with hf_actcomp.compressed_inference(model, plan) as inf:
         inference_form = eval_loss(inf, evaluation)
-    boundary = [stats["categories"][c] for c in ("activations", "activation_gradients")]
-    sent, raw = sum(c["bytes_sent"] for c in boundary), sum(c["bytes_uncompressed"] for c in boundary)
     row = {"setting": name, "stages": stages, "seed": seed, "forward": forward.describe(),
            "backward": backward.describe(), "eval_loss": epoch_eval[-1], "epoch_eval_loss": epoch_eval,
            "eval_loss_inference_form": inference_form,
