@@ -15,12 +15,14 @@ if TYPE_CHECKING:
     from . import hub, trackers
     from .samples import LogSamplesCallback
     from .trainer.actcomp_trainer import ActCompTrainer
+    from .trainer.dpo_trainer import ActCompDPOTrainer
     from .trainer.reward_trainer import ActCompRewardTrainer
     from .trainer.sft_trainer import ActCompSFTTrainer
 
 from .version import __version__
 
 __all__ = [
+    "ActCompDPOTrainer",
     "ActCompRewardTrainer",
     "ActCompSFTTrainer",
     "ActCompTrainer",
@@ -61,6 +63,10 @@ def __getattr__(name: str):
         from .trainer.sft_trainer import ActCompSFTTrainer
 
         return ActCompSFTTrainer
+    if name == "ActCompDPOTrainer":  # needs TRL too
+        from .trainer.dpo_trainer import ActCompDPOTrainer
+
+        return ActCompDPOTrainer
     if name == "ActCompRewardTrainer":  # needs TRL too
         from .trainer.reward_trainer import ActCompRewardTrainer
 

@@ -177,3 +177,45 @@ def reward_run(trainer_cls, output_dir: str, config: dict | None = None, **kwarg
     metrics = trainer.evaluate()
     return {"logs": logs, "eval": {k: v for k, v in metrics.items() if "runtime" not in k and "per_second" not in k},
             "compression_ratio": comm}
+
+
+def dpo_rows(rows: int = 16, seed: int = 0) -> datasets.Dataset:
+    """Preference pairs as text (prompt, chosen, rejected) over sample_tokenizer's words."""
+    words = "def add return the pipeline splits model into stages import torch a b".split()
+    g = torch.Generator().manual_seed(seed)
+
+    def text(low: int, high: int) -> str:
+        count = int(torch.randint(low, high, (1,), generator=g))
+        return " ".join(words[int(i) % len(words)] for i in torch.randint(0, 100, (count,), generator=g))
+
+    return datasets.Dataset.from_list([{"prompt": text(3, 6), "chosen": " " + text(2, 5), "rejected": " " + text(2, 5)}
+                                       for _ in range(rows)])
+
+
+def dpo_run(trainer_cls, output_dir: str, reference: str = "model", config: dict | None = None, **kwargs) -> dict:
+    """Train `trainer_cls` (DPOTrainer or ActCompDPOTrainer) on dpo_rows for 4 steps (fp32,
+    accumulation 2), then evaluate on 6 pairs. `reference`: "model" (a copy of the initial policy
+    as `ref_model`), "precompute" (`precompute_ref_log_probs`) or "lora" (a LoRA policy, the
+    reference its adapters disabled). The logged training entries and the evaluation's metrics."""
+    import copy
+
+    from trl import DPOConfig
+
+    from hf_actcomp.debug import debug_model
+
+    model = debug_model("llama", seed=0, vocab_size=PREFERENCE_VOCAB)
+    if reference == "lora":
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    args = DPOConfig(output_dir=output_dir, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                     gradient_accumulation_steps=2, max_steps=4, logging_steps=1, learning_rate=1e-3, report_to=[],
+                     save_strategy="no", eval_strategy="no", use_cpu=True, seed=0, bf16=False, disable_tqdm=True,
+                     precompute_ref_log_probs=reference == "precompute", **(config or {}))
+    trainer = trainer_cls(model=model, ref_model=copy.deepcopy(model) if reference == "model" else None, args=args,
+                          train_dataset=dpo_rows(), eval_dataset=dpo_rows(6, seed=1),
+                          processing_class=sample_tokenizer(), **kwargs)
+    trainer.train()
+    logs = [{k: v for k, v in h.items() if not k.startswith("comm/")} for h in trainer.state.log_history if "loss" in h]
+    metrics = trainer.evaluate()
+    return {"logs": logs, "eval": {k: v for k, v in metrics.items() if "runtime" not in k and "per_second" not in k}}
