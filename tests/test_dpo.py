@@ -1,14 +1,17 @@
-"""ActCompDPOTrainer against TRL's DPOTrainer in one process: the same logged losses, rewards,
-margins, log-probabilities, logits and entropies and the same evaluation, with a reference model,
-precomputed reference log-probabilities and a LoRA policy; the per-token fields computed from the
-stages' logits equal TRL's fused LM head."""
+"""ActCompDPOTrainer against TRL's DPOTrainer: the same logged losses, rewards, margins,
+log-probabilities, logits and entropies and the same evaluation, in one process (a reference model,
+precomputed reference log-probabilities, a LoRA policy) and with one stage per process (a reference
+model split by the same plan, a LoRA policy); the per-token fields computed from the stages'
+logits equal TRL's fused LM head."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
+from distributed import run_workers
 from trainer_cases import PREFERENCE_VOCAB, dpo_run
 
 pytest.importorskip("trl")
@@ -43,6 +46,21 @@ def test_matches_dpo_trainer(plain, tmp_path, reference):
     assert {"rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/chosen", "entropy"} <= set(got["logs"][0])
 
 
+def test_two_processes_match_dpo_trainer(plain, tmp_path):
+    """One stage per process: the reference pass through the pipeline (a reference model split by
+    the same plan; the LoRA policy without its adapters), the pairwise loss on the last stage per
+    micro-batch of whole pairs, DPOTrainer's metrics on every rank; ipo as the loss too."""
+    runs = {"model": {"trainer": "dpo", "plan": PLAN.to_dict()},
+            "lora": {"trainer": "dpo", "plan": PLAN.to_dict(), "reference": "lora"},
+            "ipo": {"trainer": "dpo", "plan": PLAN.to_dict(), "config": {"loss_type": ["ipo"]}}}
+    run_workers("preference_worker.py", 2, [json.dumps({"runs": runs}), str(tmp_path)], timeout=400)
+    lora = dpo_run(DPOTrainer, str(tmp_path / "lora-plain"), "lora")
+    ipo = dpo_run(DPOTrainer, str(tmp_path / "ipo-plain"), config={"loss_type": ["ipo"]})
+    for name, expected in (("model", plain), ("lora", lora), ("ipo", ipo)):
+        for rank in range(2):
+            assert_same_logs(json.loads((tmp_path / f"{name}-rank{rank}.json").read_text()), expected, what=name)
+
+
 def test_the_reference_runs_through_the_plan(plain, tmp_path):
     """The reference pass takes the plan's inference form: exact (`inference="none"`) while the
     policy trains through quantize-2, so the first step's rewards are no longer exactly 0 (plain
@@ -73,6 +91,26 @@ def test_refused_before_any_work(tmp_path, monkeypatch):
                                                             forward=Compression("aqsgd", bits=4)))
     from trl import DPOConfig
 
-    monkeypatch.setattr(DPOConfig, "world_size", property(lambda self: 2))
-    with pytest.raises(ValueError, match="ActCompDPOTrainer runs in one process so far"):
-        dpo_run(ActCompDPOTrainer, str(tmp_path), plan=PLAN)
+    monkeypatch.setattr(DPOConfig, "world_size", property(lambda self: 2))  # as under torchrun, before any work
+    with pytest.raises(ValueError, match=r"several processes does not take DPOConfig\(loss_type=\['robust'\]\): "
+                                         "the last stage computes sigmoid, hinge, ipo"):
+        dpo_run(ActCompDPOTrainer, str(tmp_path), config={"loss_type": ["robust"]}, plan=PLAN)
+    with pytest.raises(ValueError, match="precompute_ref_log_probs=True.*runs through the pipeline at every step"):
+        dpo_run(ActCompDPOTrainer, str(tmp_path), "precompute", plan=PLAN)
+
+
+DPO_RECIPE = ["--bf16", "false", "--max_steps", "3", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size",
+              "4", "--logging_steps", "1", "--report_to", "none", "--seed", "0", "--save_strategy", "no",
+              "--disable_tqdm", "true", "--learning_rate", "1e-3", "--max_rows", "24",
+              "--config_overrides", "resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0"]
+
+
+def test_the_recipe_on_two_processes_matches_plain_dpo(tmp_path):
+    """recipes/dpo.py as users run it: plain DPOTrainer in one process against ActCompDPOTrainer
+    under plain torchrun with one stage per process: losses, reward margins, evaluation, weights."""
+    from scripts import assert_same_run, run
+
+    run("dpo.py", tmp_path / "plain", [*DPO_RECIPE, "--plain"])
+    run("dpo.py", tmp_path / "two", DPO_RECIPE, processes=2)
+    assert_same_run(tmp_path / "plain", tmp_path / "two", losses=("loss", "rewards/margins", "logps/chosen"),
+                    metrics=("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"), results="all_results.json")

@@ -18,16 +18,16 @@ from hf_actcomp import ActCompRewardTrainer, Compression, Plan  # noqa: E402
 from hf_actcomp.trainer.reward_trainer import PairwiseRewardLoss, pairs_per_micro_batch  # noqa: E402
 
 
-def assert_same_logs(got: dict, expected: dict, rel: float = 1e-5) -> None:
-    """Every logged training entry and evaluation metric of `expected`, to `rel`."""
-    assert len(got["logs"]) == len(expected["logs"]) == 4
+def assert_same_logs(got: dict, expected: dict, rel: float = 1e-5, what: str = "") -> None:
+    """Every logged training entry and evaluation metric of `expected`, to `rel` (`what` names the run)."""
+    assert len(got["logs"]) == len(expected["logs"]) == 4, what
     for step, (mine, theirs) in enumerate(zip(got["logs"], expected["logs"], strict=True)):
-        assert set(theirs) <= set(mine), f"step {step}: missing {set(theirs) - set(mine)}"
+        assert set(theirs) <= set(mine), f"{what} step {step}: missing {set(theirs) - set(mine)}"
         for key, value in theirs.items():
-            assert mine[key] == pytest.approx(value, rel=rel, abs=1e-6), f"step {step}: {key}"
-    assert set(got["eval"]) == set(expected["eval"])
+            assert mine[key] == pytest.approx(value, rel=rel, abs=1e-6), f"{what} step {step}: {key}"
+    assert set(got["eval"]) == set(expected["eval"]), what
     for key, value in expected["eval"].items():
-        assert got["eval"][key] == pytest.approx(value, rel=rel, abs=1e-6), key
+        assert got["eval"][key] == pytest.approx(value, rel=rel, abs=1e-6), f"{what}: {key}"
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_two_processes_match_reward_trainer(plain, tmp_path):
     runs = {"exact": {"plan": {"num_stages": 2, "micro_batches": 2}},
             "hadamard": {"plan": Plan(num_stages=2, micro_batches=2, forward=Compression("hadamard", bits=8),
                                       backward=Compression("quantize", bits=8)).to_dict()}}
-    run_workers("reward_worker.py", 2, [json.dumps({"runs": runs}), str(tmp_path)], timeout=300)
+    run_workers("preference_worker.py", 2, [json.dumps({"runs": runs}), str(tmp_path)], timeout=300)
     for rank in range(2):
         assert_same_logs(json.loads((tmp_path / f"exact-rank{rank}.json").read_text()), plain)
     compressed = json.loads((tmp_path / "hadamard-rank0.json").read_text())
@@ -66,7 +66,7 @@ def test_pairs_stay_whole_in_every_micro_batch():
     out = pairs_per_micro_batch(inputs, 2)
     assert out["input_ids"].flatten().tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
     assert out["labels"].tolist() == pytest.approx([0.1, 0.2, 0.1, 0.2, 0.3, 0.4, 0.3, 0.4])
-    with pytest.raises(ValueError, match="A reward batch of 3 pairs cannot be cut into plan.micro_batches=2"):
+    with pytest.raises(ValueError, match="A preference batch of 3 pairs cannot be cut into plan.micro_batches=2"):
         pairs_per_micro_batch({"input_ids": torch.zeros(6, 1)}, 2)
 
 

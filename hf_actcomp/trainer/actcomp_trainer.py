@@ -301,6 +301,7 @@ class ActCompTrainer(Trainer):
         with self._backend.evaluation():
             output = super().evaluation_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
                                              ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        self._backend.after_evaluation()
         output.metrics.update(self.eval_extras.metrics(metric_key_prefix))
         return output
 

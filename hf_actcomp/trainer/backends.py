@@ -147,6 +147,9 @@ class OneProcess(Backend):
         """What Trainer's evaluation loop runs within: nothing to change in one process."""
         return contextlib.nullcontext()
 
+    def after_evaluation(self) -> None:
+        """Trainer's loop already left the model in evaluation mode."""
+
     def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys):
         return in_process_prediction_step(self.trainer, self.base, model, inputs, prediction_loss_only, ignore_keys)
 
@@ -275,6 +278,7 @@ class Pipelined(Backend):
         optimizer = trainer.optimizer
         if hasattr(optimizer, "train") and callable(optimizer.train):
             optimizer.train()
+        trainer.model.train()  # as Trainer's training_step (the model's flag; only this rank's stage runs)
         self.pipe.train()  # Trainer's evaluation loop leaves the runner in eval mode
         every = trainer.args.torch_empty_cache_steps
         if every is not None and trainer.state.global_step % every == 0:
@@ -320,6 +324,11 @@ class Pipelined(Backend):
         finally:
             self._preprocess = None
             self.pipe.train(was_training)
+
+    def after_evaluation(self) -> None:
+        """The model in evaluation mode until the next training step, as Trainer's loop leaves it
+        (TRL's trainers read `model.training` to file their metrics under train or eval)."""
+        self.trainer.model.eval()
 
     def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys):
         """`ignore_keys` has nothing to drop: the last stage returns the logits only."""

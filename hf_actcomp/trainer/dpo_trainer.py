@@ -7,14 +7,19 @@ without building the logits. The split model never calls `model.forward`, so `Fu
 computes the same per-token fields from the stages' logits; DPOTrainer's own loss, every
 `loss_type` and every metric then run unchanged on them.
 
-The reference model runs through the same plan (`simulate` in evaluation mode: the boundaries
-send what the plan's inference form sends, exact with codec none): a `ref_model` given or built by
-DPOTrainer, the policy with its LoRA adapters disabled under a `peft_config`, and the
+In one process the reference model runs through the same plan (`simulate` in evaluation mode: the
+boundaries send what the plan's inference form sends, exact with codec none): a `ref_model` given
+or built by DPOTrainer, the policy with its LoRA adapters disabled under a `peft_config`, and the
 `precompute_ref_log_probs` pass alike.
 
-One process so far: with several processes the batch's per-row log-probabilities exist only on
-the last stage one micro-batch at a time, which needs the pairwise objective the reward trainer
-uses (`Pipeline.set_objective`) plus a reference pass through the pipeline; refused for now.
+With several processes (one stage per rank) only the last stage sees logits, one micro-batch at
+a time. Each batch's rows are reordered so that every micro-batch holds whole pairs (as
+`ActCompRewardTrainer` does), the reference log-probabilities are computed first by a pass
+through the pipeline without gradients (the policy with its LoRA adapters disabled, or the
+`ref_model` split by the same plan) and kept on the last stage, and `PairwiseDPOLoss` computes
+DPOTrainer's loss there (`Pipeline.set_objective`); its statistics are shared with every rank
+after the step for DPOTrainer's metrics. There: `loss_type` sigmoid, hinge or ipo (others refused,
+with the reason), `f_divergence_type="reverse_kl"`, no WPO weighting, no precomputed reference.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ import torch
 from torch import nn
 
 from ..models import unwrap_peft
+from ..pipeline import prepare
 from ..plan import Plan
 from ..simulate import simulate
 from .actcomp_trainer import ActCompTrainer
+from .preference import AQSGD_REFUSED, PreferenceStages, pair_order
 
 try:
     from trl import DPOTrainer
@@ -97,27 +104,106 @@ class FusedHeadOnStages(nn.Module):
             self.stages.train(was_training)
 
 
-class ActCompDPOTrainer(ActCompTrainer, DPOTrainer):
+PIPELINED_LOSSES = ("sigmoid", "hinge", "ipo")  # DPOTrainer's loss types the last stage computes
+
+
+class PairwiseDPOLoss:
+    """DPOTrainer's loss of one micro-batch on the last stage: its rows are whole pairs (chosen
+    rows, then the same pairs' rejected rows), `labels` the next-token targets of the completions
+    (-100 elsewhere). `reference` holds each micro-batch's reference log-probabilities in order
+    (set before the step); `divisor` the step's pairs times the accumulation steps, so that the
+    micro-batches add up to DPOTrainer's mean over pairs (divided by the accumulation steps, as
+    Trainer divides a loss that takes no count). What the metrics need is kept per micro-batch."""
+
+    def __init__(self, beta: float, loss_types: list[str], loss_weights: list[float]) -> None:
+        self.beta = beta
+        self.loss_types = loss_types
+        self.loss_weights = loss_weights
+        self.reference: list[torch.Tensor] = []
+        self.divisor = 1.0
+        self.pairs: list[torch.Tensor] = []  # (pairs, 4): chosen, rejected, reference chosen, reference rejected
+        self.sums: list[torch.Tensor] = []  # entropy, tokens, chosen / rejected logits and tokens, top-1 hits
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, normaliser) -> torch.Tensor:
+        fields = fused_head_fields(logits, labels)
+        logps = fields.log_probs.sum(dim=1)
+        reference = self.reference.pop(0).to(logps.device)
+        chosen, rejected = logps.chunk(2)
+        ref_chosen, ref_rejected = reference.chunk(2)
+        chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+        delta = chosen_ratio - rejected_ratio
+        chosen_mask, rejected_mask = fields.label_mask.chunk(2)
+        loss = 0.0
+        for kind, weight in zip(self.loss_types, self.loss_weights, strict=True):
+            if kind == "sigmoid":
+                per_pair = -nn.functional.logsigmoid(self.beta * delta)
+            elif kind == "hinge":
+                per_pair = torch.relu(1 - self.beta * delta)
+            else:  # ipo: per-token averages of the log-ratios
+                per_pair = (chosen_ratio / chosen_mask.sum(1).clamp(min=1) - rejected_ratio
+                            / rejected_mask.sum(1).clamp(min=1) - 1 / (2 * self.beta)) ** 2
+            loss = loss + per_pair.sum() / self.divisor * weight
+        with torch.no_grad():
+            self.pairs.append(torch.stack([chosen, rejected, ref_chosen, ref_rejected], dim=1).detach().float())
+            chosen_logits, rejected_logits = fields.mean_logits.chunk(2)
+            chosen_top1, _ = fields.is_top1.chunk(2)
+            self.sums.append(torch.stack([
+                fields.entropy.sum(), fields.label_mask.sum(), chosen_logits.sum(), chosen_mask.sum(),
+                rejected_logits.sum(), rejected_mask.sum(), chosen_top1.sum()]).float())
+        return loss
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(pairs x 4, the summed statistics) since the last call, or None where none were seen."""
+        if not self.pairs:
+            return None
+        pairs, sums = torch.cat(self.pairs), torch.stack(self.sums).sum(0)
+        self.pairs, self.sums = [], []
+        return pairs, sums
+
+
+def dpo_metrics(pairs: torch.Tensor, sums: torch.Tensor, beta: float) -> dict[str, float]:
+    """DPOTrainer's per-batch metrics from `PairwiseDPOLoss.take()` (num_tokens aside)."""
+    chosen, rejected, ref_chosen, ref_rejected = pairs.unbind(1)
+    entropy, tokens, chosen_logits, chosen_tokens, rejected_logits, rejected_tokens, top1 = sums.tolist()
+    chosen_rewards, rejected_rewards = beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
+    return {"entropy": entropy / tokens if tokens else 0.0,
+            "logits/chosen": chosen_logits / chosen_tokens if chosen_tokens else 0.0,
+            "logits/rejected": rejected_logits / rejected_tokens if rejected_tokens else 0.0,
+            "mean_token_accuracy": top1 / chosen_tokens if chosen_tokens else 0.0,
+            "rewards/chosen": chosen_rewards.mean().item(), "rewards/rejected": rejected_rewards.mean().item(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean().item(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean().item(),
+            "logps/chosen": chosen.mean().item(), "logps/rejected": rejected.mean().item()}
+
+
+class ActCompDPOTrainer(PreferenceStages, ActCompTrainer, DPOTrainer):
     """`trl.DPOTrainer` that trains the policy split into the stages of `plan`, with the plan's
     compression at every boundary; the reference model runs through the same plan. Takes what
     `DPOTrainer` takes (`DPOConfig`, preference data, `ref_model`, `peft_config`, ...) plus `plan=`
-    and `ActCompTrainer`'s `timeout=`. One process for now. See docs/trainer.md."""
+    and `ActCompTrainer`'s `timeout=`. Run it as is (one process) or with `plan.world_size`
+    processes. See docs/trainer.md."""
 
     _tag_names = ["trl", "dpo", "hf-actcomp"]
 
     def __init__(self, model=None, ref_model=None, args=None, *, plan: Plan, **kwargs: Any) -> None:
-        if args is not None and getattr(args, "world_size", 1) > 1:
-            raise ValueError(
-                "ActCompDPOTrainer runs in one process so far (the plan's stages in-process); with several processes "
-                "the pairwise loss needs every row's log-probabilities, which only the last stage holds. Run it in "
-                "one process, or ActCompTrainer / ActCompRewardTrainer across processes.")
         if isinstance(plan, Plan) and plan.uses_aqsgd:
-            raise ValueError("ActCompDPOTrainer does not take AQ-SGD plans yet: its memory is keyed by row and a "
-                             "preference pair is two rows. Use a stateless codec (quantize, hadamard, topk + 'ef').")
+            raise ValueError(f"ActCompDPOTrainer {AQSGD_REFUSED}")
+        if args is not None and getattr(args, "world_size", 1) > 1:
+            _check_pipelined(args)
         self._plan_given = plan
         super().__init__(model=model, args=args, plan=plan, ref_model=ref_model, eval_plain_loss=False, **kwargs)
-        # The reference through the plan: DPOTrainer's own, or the policy without its adapters.
-        if self.ref_model is not None:
+        self._ref_pipe = None
+        if self.pipe is not None:
+            self._check_pair_batches("DPOConfig")
+            self._pair_loss = PairwiseDPOLoss(self.beta, list(self.loss_types), list(self.loss_weights))
+            self.pipe.set_objective(self._pair_loss)
+            if self.ref_model is not None:  # split by the same plan, one stage per rank like the policy
+                self._ref_pipe = prepare(unwrap_peft(self.ref_model), self.plan, timeout=self._backend.timeout)
+            elif getattr(self.model, "disable_adapter", None) is None:
+                raise ValueError("ActCompDPOTrainer with several processes needs a reference: a ref_model, or a LoRA "
+                                 "peft_config (the reference is the policy without its adapters).")
+        # One process, the reference through the plan: DPOTrainer's own, or the policy without its adapters.
+        elif self.ref_model is not None:
             self.ref_model = FusedHeadOnStages(simulate(unwrap_peft(self.ref_model), self.plan), reference=True,
                                                weighting=self.use_weighting)
         elif getattr(self.model, "disable_adapter", None) is not None:
@@ -135,3 +221,52 @@ class ActCompDPOTrainer(ActCompTrainer, DPOTrainer):
         if not isinstance(model, FusedHeadOnStages):
             model = FusedHeadOnStages(simulate(model, self._plan_given), reference=True)
         return DPOTrainer.compute_ref_log_probs(self, model, inputs)
+
+    # ------------------------------------------------------------------ several processes
+    def _stage_batch(self, inputs: dict[str, torch.Tensor], micro: int, steps: int) -> dict:
+        """The batch as the stages take it (rows in whole pairs per micro-batch, completion targets
+        as labels), after a reference pass through the pipeline that leaves each micro-batch's
+        reference log-probabilities with the last stage's objective."""
+        order = pair_order(inputs["input_ids"].shape[0], micro, inputs["input_ids"].device)
+        labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+        batch = {"input_ids": inputs["input_ids"].index_select(0, order),
+                 "attention_mask": inputs["attention_mask"].index_select(0, order)}
+        labels = labels.index_select(0, order)
+        pipe = self._ref_pipe or self.pipe
+        adapters = self.model.disable_adapter() if self._ref_pipe is None else contextlib.nullcontext()
+        with torch.no_grad(), adapters:
+            out = pipe.eval_step(batch, compress=True, keep_logits=True, micro_batches=micro)
+        if self.pipe.is_last:
+            reference = fused_head_fields(out.logits, labels).log_probs.sum(dim=1)
+            self._pair_loss.reference = list(reference.chunk(micro))
+        self._pair_loss.divisor = inputs["input_ids"].shape[0] // 2 * steps
+        return {**batch, "labels": labels}
+
+    def _record(self, inputs: dict[str, torch.Tensor], mode: str) -> None:
+        """DPOTrainer's metrics of this batch, from what the last stage's objective kept (shared
+        with every rank); its token count without the gather over processes (the stages of one
+        pipeline read the same batch)."""
+        pairs, sums = self.pipe.share_predictions(self._pair_loss.take())
+        values = dpo_metrics(pairs, sums, self.beta)
+        self._metrics[mode]["entropy"].append(values.pop("entropy"))  # DPOTrainer's order of keys
+        self._count_tokens(inputs, mode)
+        for key, value in values.items():
+            self._metrics[mode][key].append(value)
+
+
+def _check_pipelined(args) -> None:
+    """What the last stage's DPO loss does not cover, refused before any work."""
+    refused = {
+        "loss_type": ([t for t in (args.loss_type if isinstance(args.loss_type, list) else [args.loss_type])
+                       if t not in PIPELINED_LOSSES], f"the last stage computes {', '.join(PIPELINED_LOSSES)}"),
+        "f_divergence_type": (args.f_divergence_type not in ("reverse_kl", None) and args.f_divergence_type,
+                              "the last stage computes the reverse KL (standard DPO)"),
+        "use_weighting": (args.use_weighting, "WPO's weights need the squared probabilities of every token"),
+        "ld_alpha": (args.ld_alpha is not None and args.ld_alpha, "LD-DPO's split of the log-probabilities"),
+        "precompute_ref_log_probs": (args.precompute_ref_log_probs,
+                                     "the reference runs through the pipeline at every step instead"),
+    }
+    for name, (bad, why) in refused.items():
+        if bad:
+            raise ValueError(f"ActCompDPOTrainer with several processes does not take DPOConfig({name}="
+                             f"{getattr(args, name)!r}): {why}. Run in one process for it.")

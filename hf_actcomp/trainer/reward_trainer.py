@@ -20,7 +20,6 @@ by name with several processes loads whole on each rank before the split.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from torch import nn
 
 from ..plan import Plan
 from .actcomp_trainer import ActCompTrainer
+from .preference import AQSGD_REFUSED, PreferenceStages, pair_order
 
 try:
     from transformers import AutoModelForSequenceClassification
@@ -69,16 +69,10 @@ class PairwiseRewardLoss:
 
 def pairs_per_micro_batch(inputs: dict[str, torch.Tensor], micro_batches: int) -> dict[str, torch.Tensor]:
     """RewardTrainer's batch (chosen rows, then rejected rows; `margin` per pair) as the stages
-    take it: rows reordered so that each of `micro_batches` row-wise parts holds whole pairs, and
-    `labels` the pair margin of each row (zero without margins)."""
-    rows = inputs["input_ids"].shape[0]
-    pairs = rows // 2
-    if rows % 2 or pairs % micro_batches:
-        raise ValueError(f"A reward batch of {pairs} pairs cannot be cut into plan.micro_batches={micro_batches} parts "
-                         f"of whole pairs: use a per-device batch size (in pairs) that is a multiple of {micro_batches}.")
-    per = pairs // micro_batches
-    order = torch.cat([torch.cat([torch.arange(m * per, (m + 1) * per), pairs + torch.arange(m * per, (m + 1) * per)])
-                       for m in range(micro_batches)]).to(inputs["input_ids"].device)
+    take it: rows reordered by `pair_order`, and `labels` the pair margin of each row (zero
+    without margins)."""
+    pairs = inputs["input_ids"].shape[0] // 2
+    order = pair_order(inputs["input_ids"].shape[0], micro_batches, inputs["input_ids"].device)
     margin = inputs.get("margin")
     margin = torch.zeros(pairs, device=order.device) if margin is None else margin.to(order.device, torch.float32)
     out = {k: v.index_select(0, order) for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
@@ -106,7 +100,7 @@ class _DropsExtras(nn.Module):
         return self.sim(**{k: v for k, v in inputs.items() if k not in ("margin", "use_cache")})
 
 
-class ActCompRewardTrainer(ActCompTrainer, RewardTrainer):
+class ActCompRewardTrainer(PreferenceStages, ActCompTrainer, RewardTrainer):
     """`trl.RewardTrainer` that trains the reward model (a sequence classifier with one label)
     split into the stages of `plan`, with the plan's compression at every boundary. Takes what
     `RewardTrainer` takes (`RewardConfig`, preference data, `peft_config`, ...) plus `plan=` and
@@ -114,12 +108,12 @@ class ActCompRewardTrainer(ActCompTrainer, RewardTrainer):
     `plan.world_size` processes. See docs/trainer.md."""
 
     _tag_names = ["trl", "reward-trainer", "hf-actcomp"]
+    _keeps_outputs = True  # RewardTrainer's evaluation returns every row's reward
 
     def __init__(self, model=None, args=None, *, plan: Plan, torch_dtype: torch.dtype | None = None,
                  **kwargs: Any) -> None:
         if isinstance(plan, Plan) and plan.uses_aqsgd:
-            raise ValueError("ActCompRewardTrainer does not take AQ-SGD plans yet: its memory is keyed by row and a "
-                             "preference pair is two rows. Use a stateless codec (quantize, hadamard, topk + 'ef').")
+            raise ValueError(f"ActCompRewardTrainer {AQSGD_REFUSED}")
         if isinstance(model, str):  # as RewardTrainer loads a name: one label, the score's head
             init = dict(getattr(args, "model_init_kwargs", None) or {})
             if torch_dtype is not None:
@@ -128,12 +122,7 @@ class ActCompRewardTrainer(ActCompTrainer, RewardTrainer):
             torch_dtype = None
         super().__init__(model=model, args=args, plan=plan, torch_dtype=torch_dtype, eval_plain_loss=False, **kwargs)
         if self.pipe is not None:
-            micro = self.plan.micro_batches
-            for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
-                size = getattr(self.args, name)
-                if size % micro:
-                    raise ValueError(f"RewardConfig({name}={size}) must be a multiple of plan.micro_batches={micro}: "
-                                     "each micro-batch holds whole preference pairs.")
+            self._check_pair_batches("RewardConfig")
             self._pair_loss = PairwiseRewardLoss(self.args.center_rewards_coefficient)
             self.pipe.set_objective(self._pair_loss)
 
@@ -143,42 +132,20 @@ class ActCompRewardTrainer(ActCompTrainer, RewardTrainer):
         return RewardTrainer.compute_loss(self, _DropsExtras(model), inputs, return_outputs=return_outputs,
                                           num_items_in_batch=num_items_in_batch)
 
-    def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
-        if self.pipe is None:
-            return super().training_step(model, inputs, num_items_in_batch)
-        self.model.train()  # RewardTrainer.log reads the mode off the model; only this rank's stage runs
-        inputs = self._prepare_inputs(inputs)
-        loss = super().training_step(model, pairs_per_micro_batch(inputs, self.plan.micro_batches), None)
-        self._record(inputs, "train")
-        return loss
+    def _stage_batch(self, inputs: dict[str, torch.Tensor], micro_batches: int, steps: int) -> dict:
+        return pairs_per_micro_batch(inputs, micro_batches)
 
-    def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys=None):
-        if self.pipe is None:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        self.model.eval()
-        inputs = self._prepare_inputs(inputs)
-        pairs = inputs["input_ids"].shape[0] // 2
-        micro = math.gcd(pairs, self.plan.micro_batches)  # whole pairs in each (a short last batch too)
-        batch = pairs_per_micro_batch(inputs, micro)
-        out = self.pipe.eval_step(batch, compress=True, keep_logits=not prediction_loss_only, micro_batches=micro)
-        self._record(inputs, "eval")
-        loss = out.loss.detach().to(self.args.device)
-        if prediction_loss_only:
-            return loss, None, None
-        # RewardTrainer's logits: every row's reward, in the batch's order (chosen rows, then rejected).
+    def _pair_outputs(self, out, inputs: dict[str, torch.Tensor], micro_batches: int) -> torch.Tensor:
+        """RewardTrainer's logits: every row's reward, in the batch's order (chosen rows, then rejected)."""
         rewards = self.pipe.share_predictions(out.logits)
-        order = pairs_per_micro_batch({"input_ids": torch.arange(2 * pairs).unsqueeze(1)}, micro)["input_ids"]
-        logits = torch.empty_like(rewards).index_copy_(0, order.flatten().to(rewards.device), rewards)
-        return loss, logits, None
+        order = pair_order(rewards.shape[0], micro_batches, rewards.device)
+        return torch.empty_like(rewards).index_copy_(0, order, rewards)
 
     def _record(self, inputs: dict[str, torch.Tensor], mode: str) -> None:
         """RewardTrainer's metrics of this batch, from the rewards the last stage saw (shared with
         every rank); its token count without the gather over processes (the stages of one pipeline
         read the same batch)."""
         rewards = self.pipe.share_predictions(self._pair_loss.take_rewards())
-        if mode == "train":
-            self._total_train_tokens += int(inputs["attention_mask"].sum()) * self._backend.num_replicas
-        metrics = self._metrics[mode]
-        metrics["num_tokens"] = [self._total_train_tokens]
+        self._count_tokens(inputs, mode)
         for key, value in reward_metrics(rewards.float()).items():
-            metrics[key].append(value)
+            self._metrics[mode][key].append(value)
