@@ -15,7 +15,7 @@ from distributed import run_workers
 from trainer_cases import PREFERENCE_VOCAB, dpo_run
 
 pytest.importorskip("trl")
-from test_reward import assert_same_logs  # noqa: E402
+from test_reward import assert_aqsgd_first_epoch, assert_same_logs  # noqa: E402
 from trl import DPOTrainer  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
@@ -28,6 +28,8 @@ from hf_actcomp.debug import debug_model  # noqa: E402
 from hf_actcomp.trainer.dpo_trainer import fused_head_fields  # noqa: E402
 
 PLAN = Plan(num_stages=2, micro_batches=2)
+# The reference pass exact (AQ-SGD's default inference form would send Hadamard-6 there).
+AQSGD_EXACT_REFERENCE = Plan(num_stages=2, micro_batches=2, forward=Compression("aqsgd", bits=4, inference="none"))
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +51,19 @@ def test_matches_dpo_trainer(plain, tmp_path, reference):
 def test_two_processes_match_dpo_trainer(plain, tmp_path):
     """One stage per process: the reference pass through the pipeline (a reference model split by
     the same plan; the LoRA policy without its adapters), the pairwise loss on the last stage per
-    micro-batch of whole pairs, DPOTrainer's metrics on every rank; ipo as the loss too."""
+    micro-batch of whole pairs, DPOTrainer's metrics on every rank; ipo as the loss too; AQ-SGD
+    keyed per row."""
     runs = {"model": {"trainer": "dpo", "plan": PLAN.to_dict()},
             "lora": {"trainer": "dpo", "plan": PLAN.to_dict(), "reference": "lora"},
-            "ipo": {"trainer": "dpo", "plan": PLAN.to_dict(), "config": {"loss_type": ["ipo"]}}}
+            "ipo": {"trainer": "dpo", "plan": PLAN.to_dict(), "config": {"loss_type": ["ipo"]}},
+            "aqsgd": {"trainer": "dpo", "plan": AQSGD_EXACT_REFERENCE.to_dict()}}
     run_workers("preference_worker.py", 2, [json.dumps({"runs": runs}), str(tmp_path)], timeout=400)
     lora = dpo_run(DPOTrainer, str(tmp_path / "lora-plain"), "lora")
     ipo = dpo_run(DPOTrainer, str(tmp_path / "ipo-plain"), config={"loss_type": ["ipo"]})
     for name, expected in (("model", plain), ("lora", lora), ("ipo", ipo)):
         for rank in range(2):
             assert_same_logs(json.loads((tmp_path / f"{name}-rank{rank}.json").read_text()), expected, what=name)
+    assert_aqsgd_first_epoch(json.loads((tmp_path / "aqsgd-rank0.json").read_text()), plain)
 
 
 def test_the_reference_runs_through_the_plan(plain, tmp_path):
@@ -85,10 +90,12 @@ def test_fused_head_fields_equal_trls_fused_head():
     torch.testing.assert_close(ours.loss, theirs.loss)
 
 
+def test_aqsgd_keys_each_row_of_a_pair(plain, tmp_path):
+    """With the reference pass exact, the first epoch is plain DPO's."""
+    assert_aqsgd_first_epoch(dpo_run(ActCompDPOTrainer, str(tmp_path), plan=AQSGD_EXACT_REFERENCE), plain)
+
+
 def test_refused_before_any_work(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="does not take AQ-SGD plans yet"):
-        dpo_run(ActCompDPOTrainer, str(tmp_path), plan=Plan(num_stages=2, micro_batches=2,
-                                                            forward=Compression("aqsgd", bits=4)))
     from trl import DPOConfig
 
     monkeypatch.setattr(DPOConfig, "world_size", property(lambda self: 2))  # as under torchrun, before any work

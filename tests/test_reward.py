@@ -17,6 +17,8 @@ from trl import RewardTrainer  # noqa: E402
 from hf_actcomp import ActCompRewardTrainer, Compression, Plan  # noqa: E402
 from hf_actcomp.trainer.reward_trainer import PairwiseRewardLoss, pairs_per_micro_batch  # noqa: E402
 
+AQSGD = Plan(num_stages=2, micro_batches=2, forward=Compression("aqsgd", bits=4))
+
 
 def assert_same_logs(got: dict, expected: dict, rel: float = 1e-5, what: str = "") -> None:
     """Every logged training entry and evaluation metric of `expected`, to `rel` (`what` names the run)."""
@@ -45,13 +47,14 @@ def test_one_process_matches_reward_trainer(plain, tmp_path):
 def test_two_processes_match_reward_trainer(plain, tmp_path):
     """One stage per process: the last stage computes the pairwise loss per micro-batch of whole
     pairs and shares the rewards; every rank logs RewardTrainer's numbers. A compressed plan
-    trains on with its boundary bytes counted."""
-    runs = {"exact": {"plan": {"num_stages": 2, "micro_batches": 2}},
+    trains on with its boundary bytes counted, and AQ-SGD keys each row of a pair."""
+    runs = {"exact": {"plan": {"num_stages": 2, "micro_batches": 2}}, "aqsgd": {"plan": AQSGD.to_dict()},
             "hadamard": {"plan": Plan(num_stages=2, micro_batches=2, forward=Compression("hadamard", bits=8),
                                       backward=Compression("quantize", bits=8)).to_dict()}}
     run_workers("preference_worker.py", 2, [json.dumps({"runs": runs}), str(tmp_path)], timeout=300)
     for rank in range(2):
         assert_same_logs(json.loads((tmp_path / f"exact-rank{rank}.json").read_text()), plain)
+    assert_aqsgd_first_epoch(json.loads((tmp_path / "aqsgd-rank1.json").read_text()), plain)
     compressed = json.loads((tmp_path / "hadamard-rank0.json").read_text())
     assert all(ratio > 2.5 for ratio in compressed["compression_ratio"])
     for mine, theirs in zip(compressed["logs"], plain["logs"], strict=True):
@@ -84,7 +87,19 @@ def test_the_micro_batches_losses_add_up_to_the_batch_mean():
     torch.testing.assert_close(alone, -torch.nn.functional.logsigmoid(chosen - rejected - margin).mean())
 
 
-def test_aqsgd_plans_are_refused_before_any_work(tmp_path):
-    plan = Plan(num_stages=2, micro_batches=2, forward=Compression("aqsgd", bits=4))
-    with pytest.raises(ValueError, match="does not take AQ-SGD plans yet"):
+def assert_aqsgd_first_epoch(got: dict, plain: dict) -> None:
+    """AQ-SGD keyed per row (a pair's chosen row 2i, its rejected row 2i + 1): the first epoch
+    (2 steps) sends every row in full, so its losses are plain's; the second sends 4-bit deltas."""
+    for mine, theirs in zip(got["logs"][:2], plain["logs"][:2], strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+    assert got["compression_ratio"][1] == pytest.approx(1.0) and got["compression_ratio"][3] > 1.2
+
+
+def test_aqsgd_keys_each_row_of_a_pair(plain, tmp_path):
+    assert_aqsgd_first_epoch(reward_run(ActCompRewardTrainer, str(tmp_path), plan=AQSGD), plain)
+
+
+def test_aqsgd_with_replicas_is_refused_before_any_work(tmp_path):
+    plan = Plan(num_stages=1, data_parallel=2, forward=Compression("aqsgd", bits=4))
+    with pytest.raises(ValueError, match="takes AQ-SGD with data_parallel=1 only so far"):
         reward_run(ActCompRewardTrainer, str(tmp_path), plan=plan)

@@ -172,11 +172,7 @@ def reward_run(trainer_cls, output_dir: str, config: dict | None = None, **kwarg
                           train_dataset=preference_rows(), eval_dataset=preference_rows(6, seed=1),
                           processing_class=sample_tokenizer(), **kwargs)
     trainer.train()
-    logs = [{k: v for k, v in h.items() if not k.startswith("comm/")} for h in trainer.state.log_history if "loss" in h]
-    comm = [h.get("comm/compression_ratio") for h in trainer.state.log_history if "loss" in h]
-    metrics = trainer.evaluate()
-    return {"logs": logs, "eval": {k: v for k, v in metrics.items() if "runtime" not in k and "per_second" not in k},
-            "compression_ratio": comm}
+    return trainer_results(trainer)
 
 
 def dpo_rows(rows: int = 16, seed: int = 0) -> datasets.Dataset:
@@ -216,6 +212,14 @@ def dpo_run(trainer_cls, output_dir: str, reference: str = "model", config: dict
                           train_dataset=dpo_rows(), eval_dataset=dpo_rows(6, seed=1),
                           processing_class=sample_tokenizer(), **kwargs)
     trainer.train()
-    logs = [{k: v for k, v in h.items() if not k.startswith("comm/")} for h in trainer.state.log_history if "loss" in h]
+    return trainer_results(trainer)
+
+
+def trainer_results(trainer) -> dict:
+    """After training: the logged training entries (without `comm/*`), the compression ratio at each
+    logged step, and an evaluation's metrics (without timings)."""
+    history = [h for h in trainer.state.log_history if "loss" in h]
     metrics = trainer.evaluate()
-    return {"logs": logs, "eval": {k: v for k, v in metrics.items() if "runtime" not in k and "per_second" not in k}}
+    return {"logs": [{k: v for k, v in h.items() if not k.startswith("comm/")} for h in history],
+            "eval": {k: v for k, v in metrics.items() if "runtime" not in k and "per_second" not in k},
+            "compression_ratio": [h.get("comm/compression_ratio") for h in history]}

@@ -62,18 +62,23 @@ class PadToLength:
     batch to its own longest row. Right padding with `attention_mask=0` and `labels=-100` changes
     neither the loss nor any gradient of a causal model: no real token attends to a later one.
     The rows' `sample_id`s (AQ-SGD's memory keys) are carried into the batch where the collator
-    builds its batch from known keys only (TRL's SFT collator does).
+    builds its batch from known keys only (TRL's SFT collator does). A collator that makes
+    `rows_per_example` rows of each example (TRL's preference collators: every chosen row, then
+    every rejected one) gets one key per row: example i's j-th row is `rows_per_example * i + j`.
     """
 
-    def __init__(self, collator: Callable, length: int, pad_token_id: int) -> None:
+    def __init__(self, collator: Callable, length: int, pad_token_id: int, rows_per_example: int = 1) -> None:
         self.collator = collator
         self.length = length
         self.pad_token_id = pad_token_id
+        self.rows_per_example = rows_per_example
 
     def __call__(self, features: list) -> dict[str, torch.Tensor]:
         batch = self.collator(features)
         if SAMPLE_ID not in batch and features and all(SAMPLE_ID in f for f in features):
-            batch[SAMPLE_ID] = torch.tensor([int(f[SAMPLE_ID]) for f in features], dtype=torch.long)
+            ids = torch.tensor([int(f[SAMPLE_ID]) for f in features], dtype=torch.long)
+            k = self.rows_per_example
+            batch[SAMPLE_ID] = torch.cat([k * ids + j for j in range(k)])
         extra = self.length - batch["input_ids"].shape[1]
         if extra < 0:
             raise ValueError(
@@ -81,7 +86,7 @@ class PadToLength:
                 f"pad_to_length={self.length}; pass ActCompTrainer(pad_to_length=...) at least that long."
             )
         if extra:
-            fill = {"input_ids": self.pad_token_id, "attention_mask": 0, "labels": -100}
+            fill = {"input_ids": self.pad_token_id, "attention_mask": 0, "labels": -100, "completion_mask": 0}
             for key, value in fill.items():
                 if key in batch:
                     batch[key] = torch.nn.functional.pad(batch[key], (0, extra), value=value)
@@ -145,17 +150,25 @@ class ActCompTrainer(Trainer):
         self._backend.start()
         self._train_collator = self.data_collator
         if self.plan.uses_aqsgd and self.train_dataset is not None:
-            length = pad_to_length or longest_row(self.train_dataset)
+            length = pad_to_length or self._longest_training_row()
             pad_id = getattr(self.processing_class, "pad_token_id", None)
-            self._train_collator = PadToLength(self.data_collator, length, pad_id if pad_id is not None else 0)
+            self._train_collator = PadToLength(self.data_collator, length, pad_id if pad_id is not None else 0,
+                                               self._rows_per_example)
+
+    _rows_per_example = 1  # rows the collator makes of each training example (a preference pair: 2)
+
+    def _longest_training_row(self) -> int:
+        """The length AQ-SGD pads every training batch to: the longest row of the training set."""
+        return longest_row(self.train_dataset)
 
     def _plan_for_training_rows(self, plan: Plan) -> Plan:
         """AQ-SGD keys its memory by sample: a `sample_id` column on the (prepared) training set,
-        and `memory.num_samples` covering its ids."""
+        and `memory.num_samples` covering its ids (one per row the collator makes of an example)."""
         if not plan.uses_aqsgd or self.train_dataset is None:
             return plan
         self.train_dataset = with_sample_ids(self.train_dataset)
-        plan = with_num_samples(plan, max(len(self.train_dataset), max(self.train_dataset[SAMPLE_ID]) + 1))
+        examples = max(len(self.train_dataset), max(self.train_dataset[SAMPLE_ID]) + 1)
+        plan = with_num_samples(plan, examples * self._rows_per_example)
         if plan.data_parallel > 1:
             check_ids_are_rows(self.train_dataset, plan)
         return plan

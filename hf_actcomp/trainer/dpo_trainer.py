@@ -35,7 +35,7 @@ from ..pipeline import prepare
 from ..plan import Plan
 from ..simulate import simulate
 from .actcomp_trainer import ActCompTrainer
-from .preference import AQSGD_REFUSED, PreferenceStages, pair_order
+from .preference import AQSGD_WITH_REPLICAS, PreferenceStages, pair_order
 
 try:
     from trl import DPOTrainer
@@ -186,8 +186,8 @@ class ActCompDPOTrainer(PreferenceStages, ActCompTrainer, DPOTrainer):
     _tag_names = ["trl", "dpo", "hf-actcomp"]
 
     def __init__(self, model=None, ref_model=None, args=None, *, plan: Plan, **kwargs: Any) -> None:
-        if isinstance(plan, Plan) and plan.uses_aqsgd:
-            raise ValueError(f"ActCompDPOTrainer {AQSGD_REFUSED}")
+        if isinstance(plan, Plan) and plan.uses_aqsgd and plan.data_parallel > 1:
+            raise ValueError(f"ActCompDPOTrainer {AQSGD_WITH_REPLICAS}")
         if args is not None and getattr(args, "world_size", 1) > 1:
             _check_pipelined(args)
         self._plan_given = plan
@@ -223,14 +223,21 @@ class ActCompDPOTrainer(PreferenceStages, ActCompTrainer, DPOTrainer):
         return DPOTrainer.compute_ref_log_probs(self, model, inputs)
 
     # ------------------------------------------------------------------ several processes
+    def _longest_training_row(self) -> int:
+        """Prompt and completion of the longest chosen or rejected row (cut at `max_length`, as
+        DPOTrainer's collator cuts them)."""
+        data = self.train_dataset
+        longest = max(len(p) + max(len(c), len(r))
+                      for p, c, r in zip(data["prompt_ids"], data["chosen_ids"], data["rejected_ids"], strict=True))
+        return min(longest, self.args.max_length) if self.args.max_length else longest
+
     def _stage_batch(self, inputs: dict[str, torch.Tensor], micro: int, steps: int) -> dict:
         """The batch as the stages take it (rows in whole pairs per micro-batch, completion targets
         as labels), after a reference pass through the pipeline that leaves each micro-batch's
         reference log-probabilities with the last stage's objective."""
         order = pair_order(inputs["input_ids"].shape[0], micro, inputs["input_ids"].device)
         labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
-        batch = {"input_ids": inputs["input_ids"].index_select(0, order),
-                 "attention_mask": inputs["attention_mask"].index_select(0, order)}
+        batch = {k: inputs[k].index_select(0, order) for k in ("input_ids", "attention_mask", "sample_id") if k in inputs}
         labels = labels.index_select(0, order)
         pipe = self._ref_pipe or self.pipe
         adapters = self.model.disable_adapter() if self._ref_pipe is None else contextlib.nullcontext()

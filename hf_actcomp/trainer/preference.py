@@ -1,7 +1,8 @@
 """Preference pairs through the stages: what `ActCompRewardTrainer` and `ActCompDPOTrainer` share.
 
 TRL's preference collators stack a batch's chosen rows, then the same pairs' rejected rows, and
-their losses pair row i with row i + pairs. With several processes only the last stage sees the
+their losses pair row i with row i + pairs. AQ-SGD keys its memory per row: example i's chosen row
+is key 2i, its rejected row 2i + 1 (`PadToLength(rows_per_example=2)`). With several processes only the last stage sees the
 outputs, one micro-batch at a time, so each batch is reordered to hold whole pairs in every
 micro-batch (`pair_order`), the trainer's loss runs there as the pipeline's objective, and what
 its metrics need is shared with every rank after the step (`PreferenceStages`).
@@ -14,8 +15,8 @@ from typing import Any
 
 import torch
 
-AQSGD_REFUSED = ("does not take AQ-SGD plans yet: its memory is keyed by row and a preference pair is two rows "
-                 "of one sample. Use a stateless codec (quantize, hadamard, topk + 'ef').")
+AQSGD_WITH_REPLICAS = ("takes AQ-SGD with data_parallel=1 only so far: a pair's two rows are two memory keys "
+                       "(2i, 2i+1), which the replicas' contiguous shards of sample ids do not split yet.")
 
 
 def pair_order(rows: int, micro_batches: int, device: torch.device | None = None) -> torch.Tensor:
@@ -41,6 +42,7 @@ class PreferenceStages:
     trainer's."""
 
     _keeps_outputs = False  # whether evaluation returns predictions (the last stage's logits, shared)
+    _rows_per_example = 2  # AQ-SGD: example i's chosen row is memory key 2i, its rejected row 2i + 1
 
     def _check_pair_batches(self, config_name: str) -> None:
         """Both per-device batch sizes (in pairs) split into the plan's micro-batches, or a clear error."""

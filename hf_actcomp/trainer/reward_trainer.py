@@ -14,8 +14,8 @@ minimises `-log sigmoid(r_chosen - r_rejected - margin)`, averaged over the pair
   the step for RewardTrainer's metrics (`min/mean/max_reward`, `accuracy`, `margin`, counted under
   `predictions`). So the per-device batch (in pairs) must split evenly into `plan.micro_batches`.
 
-Not yet: AQ-SGD plans (its memory is keyed by row, and a pair is two rows: refused), a model given
-by name with several processes loads whole on each rank before the split.
+AQ-SGD keys each row of a pair (`preference.py`). Not yet: AQ-SGD with data-parallel replicas
+(refused); a model given by name with several processes loads whole on each rank before the split.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 
 from ..plan import Plan
 from .actcomp_trainer import ActCompTrainer
-from .preference import AQSGD_REFUSED, PreferenceStages, pair_order
+from .preference import AQSGD_WITH_REPLICAS, PreferenceStages, pair_order
 
 try:
     from transformers import AutoModelForSequenceClassification
@@ -75,7 +75,7 @@ def pairs_per_micro_batch(inputs: dict[str, torch.Tensor], micro_batches: int) -
     order = pair_order(inputs["input_ids"].shape[0], micro_batches, inputs["input_ids"].device)
     margin = inputs.get("margin")
     margin = torch.zeros(pairs, device=order.device) if margin is None else margin.to(order.device, torch.float32)
-    out = {k: v.index_select(0, order) for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
+    out = {k: v.index_select(0, order) for k, v in inputs.items() if k in ("input_ids", "attention_mask", "sample_id")}
     out["labels"] = torch.cat([margin, margin]).index_select(0, order)
     return out
 
@@ -112,8 +112,8 @@ class ActCompRewardTrainer(PreferenceStages, ActCompTrainer, RewardTrainer):
 
     def __init__(self, model=None, args=None, *, plan: Plan, torch_dtype: torch.dtype | None = None,
                  **kwargs: Any) -> None:
-        if isinstance(plan, Plan) and plan.uses_aqsgd:
-            raise ValueError(f"ActCompRewardTrainer {AQSGD_REFUSED}")
+        if isinstance(plan, Plan) and plan.uses_aqsgd and plan.data_parallel > 1:
+            raise ValueError(f"ActCompRewardTrainer {AQSGD_WITH_REPLICAS}")
         if isinstance(model, str):  # as RewardTrainer loads a name: one label, the score's head
             init = dict(getattr(args, "model_init_kwargs", None) or {})
             if torch_dtype is not None:
@@ -131,6 +131,9 @@ class ActCompRewardTrainer(PreferenceStages, ActCompTrainer, RewardTrainer):
         last stage computes the loss in `Pipeline.train_step`)."""
         return RewardTrainer.compute_loss(self, _DropsExtras(model), inputs, return_outputs=return_outputs,
                                           num_items_in_batch=num_items_in_batch)
+
+    def _longest_training_row(self) -> int:
+        return max(len(ids) for column in ("chosen_ids", "rejected_ids") for ids in self.train_dataset[column])
 
     def _stage_batch(self, inputs: dict[str, torch.Tensor], micro_batches: int, steps: int) -> dict:
         return pairs_per_micro_batch(inputs, micro_batches)
