@@ -71,7 +71,7 @@ def test_the_reference_runs_through_the_plan(plain, tmp_path):
     policy trains through quantize-2, so the first step's rewards are no longer exactly 0 (plain
     DPO's are: the policy is the reference), and the training boundary's bytes are counted."""
     plan = Plan(num_stages=2, micro_batches=2, forward=Compression("quantize", bits=2, inference="none"))
-    got = dpo_run(ActCompDPOTrainer, str(tmp_path), plan=plan)
+    got = dpo_run(ActCompDPOTrainer, str(tmp_path), config={"max_steps": 1}, plan=plan)
     assert got["logs"][0]["rewards/chosen"] != 0.0 == plain["logs"][0]["rewards/chosen"]
 
 

@@ -204,10 +204,11 @@ def dpo_run(trainer_cls, output_dir: str, reference: str = "model", config: dict
         from peft import LoraConfig
 
         kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    args = DPOConfig(output_dir=output_dir, per_device_train_batch_size=4, per_device_eval_batch_size=4,
-                     gradient_accumulation_steps=2, max_steps=4, logging_steps=1, learning_rate=1e-3, report_to=[],
-                     save_strategy="no", eval_strategy="no", use_cpu=True, seed=0, bf16=False, disable_tqdm=True,
-                     precompute_ref_log_probs=reference == "precompute", **(config or {}))
+    settings = dict(output_dir=output_dir, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                    gradient_accumulation_steps=2, max_steps=4, logging_steps=1, learning_rate=1e-3, report_to=[],
+                    save_strategy="no", eval_strategy="no", use_cpu=True, seed=0, bf16=False, disable_tqdm=True,
+                    precompute_ref_log_probs=reference == "precompute")
+    args = DPOConfig(**{**settings, **(config or {})})
     trainer = trainer_cls(model=model, ref_model=copy.deepcopy(model) if reference == "model" else None, args=args,
                           train_dataset=dpo_rows(), eval_dataset=dpo_rows(6, seed=1),
                           processing_class=sample_tokenizer(), **kwargs)
