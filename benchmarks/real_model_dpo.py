@@ -8,8 +8,9 @@ next function's. Pairs from the first stdlib modules train, pairs from the last 
 (stages, setting, seed): a fresh policy and reference from the fixture (benchmarks/smollm2.py), the
 same batches in the same order for every setting of a seed; the reference runs through the same
 plan (its inference form). After training, DPOTrainer's held-out metrics through the plan: reward
-accuracy, reward margin, loss; bytes per step by category (activations, their gradients, the tied
-embedding's rows; the reference pass under evaluation).
+accuracy, reward margin, loss; the policy's bytes per step by category (activations, their
+gradients, the tied embedding's rows). The reference pass sends one more forward per step through
+the plan's inference form, which `simulate` does not count in evaluation mode.
 
     python benchmarks/real_model_dpo.py --stages 2 --seeds 0 1 2
 """
@@ -110,9 +111,10 @@ def write(rows: list[dict], meta: dict, name: str) -> None:
              f"{a['lr']} constant, beta {a['beta']}, max length {a['max_length']}; the reference is the initial model "
              f"through the same plan. Held out: {meta['eval_rows']} pairs from other modules, DPOTrainer's evaluation "
              f"through the plan (reward accuracy of the untuned model: {meta['eval_accuracy_before']:.3f}). Median "
-             "[min-max] over seeds. MB/step by category, the reference pass included under evaluation.", "",
+             "[min-max] over seeds. MB/step: the policy's training traffic by category (the reference pass, one more "
+             "forward per step through the plan's inference form, is not counted in one process).", "",
              "| stages | setting | seeds | reward accuracy | reward margin | eval loss | MB/step: activations / "
-             "gradients / tie / reference pass | s/run |", "|---:|---|---|---|---|---|---|---:|"]
+             "gradients / tie | s/run |", "|---:|---|---|---|---|---|---|---:|"]
     for stages, setting in dict.fromkeys((r["stages"], r["setting"]) for r in rows):
         mine = [r for r in rows if (r["stages"], r["setting"]) == (stages, setting)]
 
@@ -121,7 +123,7 @@ def write(rows: list[dict], meta: dict, name: str) -> None:
             return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
 
         mb = "/".join(f"{statistics.median(r['bytes_per_step'].get(c, 0) for r in mine) / 1e6:.2f}"
-                      for c in ("activations", "activation_gradients", "tie", "evaluation"))
+                      for c in ("activations", "activation_gradients", "tie"))
         lines.append(f"| {stages} | {setting} | {len(mine)} | {spread('eval_accuracy')} | {spread('eval_margin')} | "
                      f"{spread('eval_loss')} | {mb} | {statistics.median(r['seconds'] for r in mine):.0f} |")
     write_markdown(RESULTS, name, lines)
