@@ -37,18 +37,23 @@ def plain(tmp_path_factory):
     return dpo_run(DPOTrainer, str(tmp_path_factory.mktemp("plain")))
 
 
+@pytest.fixture(scope="module")
+def plain_lora(tmp_path_factory):
+    return dpo_run(DPOTrainer, str(tmp_path_factory.mktemp("plain_lora")), "lora")
+
+
 @pytest.mark.parametrize("reference", ["model", "precompute", "lora"])
-def test_matches_dpo_trainer(plain, tmp_path, reference):
+def test_matches_dpo_trainer(plain, plain_lora, tmp_path, reference):
     """Codec none: every metric DPOTrainer logs, at every step and in evaluation. Precomputed
     reference log-probabilities and a copy of the initial model as the reference give the same
     run; the LoRA run is compared with DPOTrainer's own LoRA run."""
-    expected = dpo_run(DPOTrainer, str(tmp_path / "lora-plain"), "lora") if reference == "lora" else plain
+    expected = plain_lora if reference == "lora" else plain
     got = dpo_run(ActCompDPOTrainer, str(tmp_path / "ours"), reference, plan=PLAN)
     assert_same_logs(got, expected)
     assert {"rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/chosen", "entropy"} <= set(got["logs"][0])
 
 
-def test_two_processes_match_dpo_trainer(plain, tmp_path):
+def test_two_processes_match_dpo_trainer(plain, plain_lora, tmp_path):
     """One stage per process: the reference pass through the pipeline (a reference model split by
     the same plan; the LoRA policy without its adapters), the pairwise loss on the last stage per
     micro-batch of whole pairs, DPOTrainer's metrics on every rank; ipo as the loss too; AQ-SGD
@@ -58,9 +63,8 @@ def test_two_processes_match_dpo_trainer(plain, tmp_path):
             "ipo": {"trainer": "dpo", "plan": PLAN.to_dict(), "config": {"loss_type": ["ipo"]}},
             "aqsgd": {"trainer": "dpo", "plan": AQSGD_EXACT_REFERENCE.to_dict()}}
     run_workers("preference_worker.py", 2, [json.dumps({"runs": runs}), str(tmp_path)], timeout=400)
-    lora = dpo_run(DPOTrainer, str(tmp_path / "lora-plain"), "lora")
     ipo = dpo_run(DPOTrainer, str(tmp_path / "ipo-plain"), config={"loss_type": ["ipo"]})
-    for name, expected in (("model", plain), ("lora", lora), ("ipo", ipo)):
+    for name, expected in (("model", plain), ("lora", plain_lora), ("ipo", ipo)):
         for rank in range(2):
             assert_same_logs(json.loads((tmp_path / f"{name}-rank{rank}.json").read_text()), expected, what=name)
     assert_aqsgd_first_epoch(json.loads((tmp_path / "aqsgd-rank0.json").read_text()), plain)
