@@ -22,12 +22,14 @@ test: setup
 test-real-model: setup
 	$(PY) -m pytest tests -m real_model
 
-test-cuda: setup  # on a machine with a CUDA GPU: the pipeline with CUDA tensors (skipped elsewhere)
-	$(PY) -m pytest tests/test_cuda.py tests/test_codecs.py tests/test_memory.py -k "cuda or resumed_store" -rs
+# On a machine with a CUDA GPU, with its own python3 (a CUDA build of torch, and this package's
+# dependencies): `setup` would install the CPU wheel, so these two run the package from the tree.
+test-cuda:  # the pipeline with CUDA tensors (skipped elsewhere)
+	PYTHONPATH=$(CURDIR) python3 -m pytest tests/test_cuda.py tests/test_codecs.py tests/test_memory.py -k "cuda or resumed_store" -rs
 
-bench-cuda: setup  # on a machine with a CUDA GPU: every measurement of docs/gpu.md (~10 min)
-	PYTHON=$(PY) bash benchmarks/cuda_checks.sh checks
-	PYTHON=$(PY) bash benchmarks/cuda_checks.sh real-model
+bench-cuda:  # every measurement of docs/gpu.md (~10 min)
+	PYTHON=python3 bash benchmarks/cuda_checks.sh checks
+	PYTHON=python3 bash benchmarks/cuda_checks.sh real-model
 
 lint: setup
 	$(VENV)/bin/ruff check hf_actcomp tests benchmarks recipes
