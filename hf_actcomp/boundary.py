@@ -48,18 +48,21 @@ class Boundary:
         track_error: let a stateless sender decode its own payload to report relative errors.
         sample_range: AQ-SGD: the sample ids this process keeps memory for (a data-parallel
             replica's shard); default every id in `[0, memory.num_samples)`.
+        compiling: torch.compile's options when the stages are compiled (`compile=True`): the
+            quantizers' arithmetic is fused too (hf_actcomp/codecs/fused.py); None: eager.
     """
 
     def __init__(self, name: str, compression: Compression, memory: MemoryConfig | None = None, *,
                  sender: bool = True, receiver: bool = True, track_error: bool = True,
-                 sample_range: range | None = None) -> None:
+                 sample_range: range | None = None, compiling: dict | None = None) -> None:
         self.name = name
         self.compression = compression
         self.sender = build_sender(compression, memory, name, track_error=track_error,
-                                   sample_range=sample_range) if sender else None
-        self.receiver = build_receiver(compression, memory, name, sample_range=sample_range) if receiver else None
+                                   sample_range=sample_range, compiling=compiling) if sender else None
+        self.receiver = (build_receiver(compression, memory, name, sample_range=sample_range, compiling=compiling)
+                         if receiver else None)
         # Stateless codec for evaluation: AQ-SGD memory and feedback state belong to training.
-        self.inference = build_inference_codec(compression)
+        self.inference = build_inference_codec(compression, compiling)
         self.stats = ChannelStats()
 
     # ------------------------------------------------------------------ training

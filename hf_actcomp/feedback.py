@@ -19,6 +19,7 @@ import torch
 
 from .aqsgd_memory import MemoryStore, check_sample_ids
 from .codecs import Codec, make_codec
+from .codecs.fused import fuse
 from .plan import Compression, MemoryConfig
 from .plan.inference_form import resolve_inference
 from .state.keys import prefixed, unprefixed
@@ -26,25 +27,28 @@ from .state.keys import prefixed, unprefixed
 logger = logging.getLogger(__name__)
 
 
-def build_codec(compression: Compression) -> Codec:
-    """The codec a `Compression` names (for `aqsgd`, its inner codec)."""
-    return make_codec(compression.codec_name, **compression.codec_params())
+def build_codec(compression: Compression, compiling: dict | None = None) -> Codec:
+    """The codec a `Compression` names (for `aqsgd`, its inner codec). `compiling`: torch.compile's
+    options when the stages are compiled (`compile=True`): a quantizer's arithmetic is then fused
+    too (hf_actcomp/codecs/fused.py); None: eager."""
+    codec = make_codec(compression.codec_name, **compression.codec_params())
+    return codec if compiling is None else fuse(codec, compiling)
 
 
-def build_first_visit_codec(compression: Compression) -> Codec:
+def build_first_visit_codec(compression: Compression, compiling: dict | None = None) -> Codec:
     """The codec AQ-SGD sends a sample with the first time it is seen: none (`first_visit="full"`),
     its inner codec (`"direct"`), or the stateless warm-up codec `first_visit` names."""
     first_visit = compression.first_visit
     if isinstance(first_visit, Compression):
-        return build_codec(first_visit)
-    return make_codec("none") if first_visit == "full" else build_codec(compression)
+        return build_codec(first_visit, compiling)
+    return make_codec("none") if first_visit == "full" else build_codec(compression, compiling)
 
 
-def build_inference_codec(compression: Compression) -> Codec:
+def build_inference_codec(compression: Compression, compiling: dict | None = None) -> Codec:
     """The stateless codec used where no training state exists (evaluation, generation): what
     `Compression.inference` resolves to (hf_actcomp/plan/inference_form.py). Feedback wrappers
     are dropped: their state belongs to training."""
-    return build_codec(resolve_inference(compression))
+    return build_codec(resolve_inference(compression), compiling)
 
 
 # ---------------------------------------------------------------------------------- receivers
@@ -109,10 +113,10 @@ class AQSGDReceiver(Receiver):
     encoding for new ones. The output, and the new m, is m + decoded delta."""
 
     def __init__(self, compression: Compression, memory: MemoryConfig, name: str,
-                 sample_range: range | None = None) -> None:
-        super().__init__(build_codec(compression))
+                 sample_range: range | None = None, compiling: dict | None = None) -> None:
+        super().__init__(build_codec(compression, compiling))
         # Its decoded value becomes the memory entry (see `decode`), which later deltas correct.
-        self.first_codec = build_first_visit_codec(compression)
+        self.first_codec = build_first_visit_codec(compression, compiling)
         # A data-parallel replica keeps rows for its shard's ids only; row = id - shard start.
         self.sample_range = sample_range
         rows = len(sample_range) if sample_range is not None else memory.num_samples
@@ -284,33 +288,37 @@ class AQSGDSender(Sender):
 
 # ---------------------------------------------------------------------------------- factory
 def build_receiver(compression: Compression, memory: MemoryConfig | None = None, name: str = "boundary",
-                   sample_range: range | None = None) -> Receiver:
+                   sample_range: range | None = None, compiling: dict | None = None) -> Receiver:
     """The receiving end of one boundary direction (AQ-SGD: memory for `sample_range`'s ids, by
-    default every sample's)."""
+    default every sample's). `compiling`: as for `build_codec`."""
     if compression.method == "aqsgd":
         if memory is None:
             raise ValueError("AQ-SGD needs a MemoryConfig.")
-        return AQSGDReceiver(compression, memory, name=f"{name}.receiver", sample_range=sample_range)
+        return AQSGDReceiver(compression, memory, name=f"{name}.receiver", sample_range=sample_range,
+                             compiling=compiling)
     if compression.feedback == "ef21":
-        return EF21Receiver(build_codec(compression))
-    return Receiver(build_codec(compression))
+        return EF21Receiver(build_codec(compression, compiling))
+    return Receiver(build_codec(compression, compiling))
 
 
 def build_sender(compression: Compression, memory: MemoryConfig | None = None, name: str = "boundary",
-                 track_error: bool = False, sample_range: range | None = None) -> Sender:
+                 track_error: bool = False, sample_range: range | None = None,
+                 compiling: dict | None = None) -> Sender:
     """The sending end of one boundary direction, with a mirror of the receiver when its state
-    (or `track_error`) needs the reconstruction."""
-    codec = build_codec(compression)
+    (or `track_error`) needs the reconstruction. `compiling`: as for `build_codec`."""
+    codec = build_codec(compression, compiling)
     if compression.method == "aqsgd":
         if memory is None:
             raise ValueError("AQ-SGD needs a MemoryConfig.")
-        mirror = AQSGDReceiver(compression, memory, name=f"{name}.sender", sample_range=sample_range)
-        return AQSGDSender(codec, mirror, build_first_visit_codec(compression))
+        mirror = AQSGDReceiver(compression, memory, name=f"{name}.sender", sample_range=sample_range,
+                               compiling=compiling)
+        return AQSGDSender(codec, mirror, build_first_visit_codec(compression, compiling))
+    mirror = build_receiver(compression, compiling=compiling)
     if compression.feedback == "ef21":
-        return EF21Sender(codec, EF21Receiver(build_codec(compression)))
+        return EF21Sender(codec, mirror)
     if compression.feedback == "ef":
-        return EFSender(codec, Receiver(build_codec(compression)))
-    return Sender(codec, Receiver(build_codec(compression)) if track_error else None)
+        return EFSender(codec, mirror)
+    return Sender(codec, mirror if track_error else None)
 
 
 def _codec_state(prefix: str, codec: Codec) -> dict[str, torch.Tensor]:

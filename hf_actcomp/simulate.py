@@ -127,7 +127,7 @@ class SimulatedPipeline(nn.Module):
             self.adapter.build_stage(r.start, r.stop, first=i == 0, last=i == last)
             for i, r in enumerate(self.ranges)
         ]
-        if options is not None:  # the blocks only; the boundaries and the glue stay eager
+        if options is not None:  # the blocks (and below, the quantizers); the glue stays eager
             compile_blocks(self.stages, **options)
         # MoE with output_router_logits: transformers' load-balancing loss over every layer.
         self.router = RouterLoss(model, model) if router_spec(model) is not None else None
@@ -137,7 +137,7 @@ class SimulatedPipeline(nn.Module):
             for name, compression, memory in (("forward", plan.forward_at(b), plan.memory),
                                               ("backward", plan.backward_at(b), None)):
                 self.boundaries[f"boundary{b}.{name}"] = Boundary(f"boundary{b}.{name}", compression, memory,
-                                                                  track_error=False)
+                                                                  track_error=False, compiling=options)
         # The compressed tie (Plan.tie_compression): the first stage's input embedding module.
         self.tie: TieCompressor | None = None
         self.traffic: dict[str, TrafficCounter] = {}
@@ -286,8 +286,9 @@ def simulate(model: nn.Module, plan: Plan, *, compile: bool = False,
 
     The model's parameters are shared, not copied: optimise `sim.parameters()` (or the model's).
     `compile=True` compiles each decoder block in place with `torch.compile` (`compile_kwargs`:
-    its backend, mode, dynamic, ...); the boundaries, embeddings, head and loss stay eager
-    (hf_actcomp/models/compile.py).
+    its backend, mode, dynamic, ...) and fuses the deterministic quantizers of the boundaries
+    (`quantize`, `hadamard`: hf_actcomp/codecs/fused.py); the codecs' state, embeddings, head and
+    loss stay eager (hf_actcomp/models/compile.py).
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a hf_actcomp.Plan, got {type(plan).__name__}.")

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 from distributed import run_workers
-from pipeline_cases import padded_batch, training_batches
+from pipeline_cases import NUM_SAMPLES, padded_batch, training_batches
 from safetensors.torch import load_file
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -167,3 +167,53 @@ def test_trainer_torch_compile_compiles_the_stages(tmp_path):
     assert counters["stats"]["unique_graphs"] > 0  # the blocks went through the compiler
     assert type(trainer.model).__name__ == "GPT2LMHeadModel"
     assert runs[1] == pytest.approx(runs[0], rel=1e-5)
+
+
+def test_fused_quantizers_give_the_eager_payload():
+    """`fuse` compiles encode and decode of the deterministic quantizers only; with the aot_eager
+    backend (no code generation) the payload and the decoded tensor are eager's bit for bit."""
+    from hf_actcomp.codecs import make_codec
+    from hf_actcomp.codecs.fused import fuse
+
+    x = torch.randn(2, 8, 256) * torch.linspace(0.1, 40, 256)
+    for name, params in [("quantize", dict(bits=4)), ("quantize", dict(bits=8, granularity="channel")),
+                         ("hadamard", dict(bits=4))]:
+        counter = CompileCounterWithBackend("aot_eager")
+        eager, fused = make_codec(name, **params), fuse(make_codec(name, **params), {"backend": counter})
+        payload = fused.encode(x)
+        assert torch.equal(payload, eager.encode(x)), (name, params)
+        assert torch.equal(fused.decode(payload, x.shape, x.dtype), eager.decode(payload, x.shape, x.dtype))
+        assert counter.frame_count >= 2, (name, params, counter.frame_count)  # encode and decode compiled
+    for name, params in [("quantize", dict(bits=4, rounding="stochastic")), ("topk", dict(ratio=0.1)),
+                         ("hadamard_outliers", dict(bits=4)), ("none", {})]:
+        codec = make_codec(name, **params)
+        assert fuse(codec, {}) is codec and not getattr(codec, "fused", False), (name, params)
+
+
+def test_simulate_compiled_fuses_the_boundary_quantizers():
+    """`simulate(compile=True)`: the boundaries' quantizers (AQ-SGD's inner codec and its mirror,
+    the backward quantizer, the inference form) are fused; the losses and gradients are eager's."""
+    plan = Plan(num_stages=2, micro_batches=2, forward={"method": "aqsgd", "bits": 4},
+                backward={"method": "quantize", "bits": 8}, memory={"num_samples": NUM_SAMPLES})
+
+    def run(compile_kwargs):
+        model = debug_model("gpt2", seed=0)
+        sim = simulate(model, plan, compile=compile_kwargs is not None, compile_kwargs=compile_kwargs)
+        losses = []
+        for step, batch in enumerate(training_batches(model.config.vocab_size, 3)):
+            loss = sim(**batch).loss
+            loss.backward()
+            losses.append(loss.item())
+            if step == 2:
+                grads = {n: p.grad.clone() for n, p in sim.named_parameters() if p.grad is not None}
+            sim.zero_grad()
+        return sim, losses, grads
+
+    _, eager_losses, eager_grads = run(None)
+    sim, losses, grads = run({"backend": "aot_eager"})
+    forward, backward = sim.boundaries["boundary0.forward"], sim.boundaries["boundary0.backward"]
+    for codec in (forward.sender.codec, forward.receiver.codec, backward.sender.codec, backward.receiver.codec):
+        assert getattr(codec, "fused", False), codec
+    torch.testing.assert_close(losses, eager_losses, **LOSS_TOL)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], **GRAD_TOL)

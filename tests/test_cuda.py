@@ -102,3 +102,30 @@ def test_hung_peer_times_out_with_cuda_buffers(tmp_path):
         assert "Rank 0 failed receiving a message that never comes (16 bytes) with rank 1 (timeout 2s)" in report["error"]
         assert 1.5 < report["seconds"] < 10 and report["waiting"] >= 1.5
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name, params", [("quantize", dict(bits=4)), ("quantize", dict(bits=8)),
+                                          ("hadamard", dict(bits=4))], ids=["quantize4", "quantize8", "hadamard4"])
+def test_fused_quantizers_on_cuda(name, params, dtype):
+    """Inductor's fused quantizers (`compile=True`): the decoder of a payload is eager's to float
+    tolerance (both ends of a boundary decode alike), and a fused encoder's payload differs from
+    eager's by at most one quantization level where a value lies on a rounding step."""
+    from hf_actcomp.codecs import make_codec
+    from hf_actcomp.codecs.fused import fuse
+
+    torch._dynamo.reset()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(4, 256, 1024, device="cuda", generator=g) * 3).to(dtype)
+    eager, fused = make_codec(name, **params), fuse(make_codec(name, **params), {})
+    payload = eager.encode(x)
+    torch.testing.assert_close(fused.decode(payload, x.shape, x.dtype), eager.decode(payload, x.shape, x.dtype))
+    reference = eager.decode(payload, x.shape, x.dtype).float()
+    mine = fused.decode(fused.encode(x), x.shape, x.dtype).float()
+    # A level of the widest group (Hadamard: of the rotated tile, within a factor of its block),
+    # plus the output dtype's rounding of the largest value.
+    top = float(x.float().abs().max())
+    level = top / ((1 << (params["bits"] - 1)) - 1) * (2 if name == "hadamard" else 1)
+    assert float((mine - reference).abs().max()) <= level * 1.01 + top * torch.finfo(dtype).eps
+    assert float((mine - x.float()).norm() / x.float().norm()) <= 1.01 * float((reference - x.float()).norm()
+                                                                              / x.float().norm())

@@ -9,10 +9,12 @@ Each block is compiled on its own, in place, with `nn.Module.compile`, and nothi
   0 compiled (guards permitting: a new input shape, `requires_grad` of the input, or `train()`
   against `eval()` compile once more). A stage's compile time is about one block's whatever its depth;
 - what lies between the blocks stays eager: the embeddings, the mask and rotary tables (built once
-  per micro-batch), the head and the loss, the boundary codecs (error feedback, AQ-SGD memory,
-  random rounding, their payload's bytes) and the pipeline's send/recv. A graph never holds a
-  collective or a codec's state, and the step's numbers differ from eager only by the blocks'
-  floating-point reassociation. A block's forward hooks (its submodules' too) run inside its
+  per micro-batch), the head and the loss, the boundary codecs' state (error feedback, AQ-SGD
+  memory, random rounding) and the pipeline's send/recv. A graph never holds a collective or a
+  codec's state. The deterministic quantizers' own arithmetic (`quantize`, `hadamard`) is compiled
+  apart from the blocks (hf_actcomp/codecs/fused.py); the step's numbers differ from eager by the
+  blocks' floating-point reassociation and, where a value lies on a rounding step, by one
+  quantization level of the payload. A block's forward hooks (its submodules' too) run inside its
   compiled call: the package's own, the MoE router's recorder (models/router.py) and
   `compressed_inference`'s boundary hooks, are `torch.compiler.disable`d, so they stay eager;
 - in place: the block stays the model's own module (no `_orig_mod.` wrapper, as `torch.compile(module)`

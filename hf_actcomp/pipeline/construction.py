@@ -113,7 +113,8 @@ def stage_device(device: torch.device | str | None) -> torch.device:
 def build_stage(model: nn.Module, adapter: ModelAdapter, blocks: range, mesh: PipelineMesh, device: torch.device,
                 compiling: dict | None) -> nn.Module:
     """This rank's stage module on `device`, the model's other parameters freed; with
-    `compiling`, its blocks compiled in place (the links, codecs and glue stay eager)."""
+    `compiling`, its blocks compiled in place (the links and glue stay eager; the
+    runner fuses the boundary quantizers, hf_actcomp/codecs/fused.py)."""
     stage = adapter.build_stage(blocks.start, blocks.stop, first=mesh.is_first, last=mesh.is_last)
     free_other_parameters(model, stage)
     stage = stage.to(device)

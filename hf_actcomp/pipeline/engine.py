@@ -105,7 +105,8 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
         self.runner = StageRunner(self.stage, self.mesh, self.transport, self.device, plan, config=self.config,
                                   loss_function=self.loss_function, boundary_dtype=self.boundary_dtype,
                                   autocast_dtype=autocast_dtype, router=router, sample_range=self.sample_range,
-                                  track_error=track_error, side_counter=self.traffic.get("router"))
+                                  track_error=track_error, side_counter=self.traffic.get("router"),
+                                  compiling=compiling)
         self.dp_compressor = build.data_parallel_hook(plan, self.dp_group, self.stage)
         self.tie = stage_tie(self.stage, self.mesh, self.transport, self.traffic["tie"], self.tied_pairs,
                              plan.tie_compression)  # this stage's end of the tied embedding, if any
@@ -287,8 +288,9 @@ def prepare(model: nn.Module | str | os.PathLike, plan: Plan | str, *, device: t
         activation_checkpointing: recompute each block's activations in the backward instead of
             keeping them (transformers' own per-layer checkpointing, inside the stage); same numbers.
         compile: compile each of this stage's decoder blocks in place with `torch.compile`, at its
-            first call; the boundary codecs, send/recv, embeddings, head and loss stay eager
-            (hf_actcomp/models/compile.py). `compile_kwargs`: torch.compile's backend, mode, ...
+            first call, and fuse the boundaries' deterministic quantizers (`quantize`, `hadamard`:
+            hf_actcomp/codecs/fused.py); send/recv, the codecs' state, embeddings, head and loss
+            stay eager (hf_actcomp/models/compile.py). `compile_kwargs`: torch.compile's backend, mode, ...
 
     `plan="auto"` is `Plan.auto(num_stages=world size)`: the codecs chosen from measured links.
     """

@@ -42,13 +42,15 @@ class StageRunner:
         sample_range: this replica's sample ids (AQ-SGD memory of its shard only), or None.
         track_error: the sending ends also decode, to report relative errors.
         side_counter: where the router side channel's bytes are counted.
+        compiling: torch.compile's options when the stage is compiled: its boundary quantizers
+            are fused too (hf_actcomp/codecs/fused.py); None: eager.
     """
 
     def __init__(self, stage: nn.Module, mesh: PipelineMesh, transport: Transport, device: torch.device,
                  plan: Plan, *, config, loss_function, boundary_dtype: torch.dtype,
                  autocast_dtype: torch.dtype | None = None, router: RouterLoss | None = None,
                  sample_range: range | None = None, track_error: bool = True,
-                 side_counter: TrafficCounter | None = None) -> None:
+                 side_counter: TrafficCounter | None = None, compiling: dict | None = None) -> None:
         self.stage = stage
         self.mesh = mesh
         self.transport = transport
@@ -64,6 +66,7 @@ class StageRunner:
         self.sample_range = sample_range
         self.track_error = track_error
         self.side_counter = side_counter
+        self.compiling = compiling
         self.ends: dict[str, Boundary] = {}
         self.links: dict[str, StageLink] = {}
         self.weight_gradients = WeightGradients()  # zbh1: what each micro-batch's `W` needs, from its `B`
@@ -101,7 +104,8 @@ class StageRunner:
             if old is not None and old.compression == compression:
                 ends[key] = old
                 continue
-            end = Boundary(name, compression, plan.memory if direction == "forward" else None, **kwargs)
+            end = Boundary(name, compression, plan.memory if direction == "forward" else None,
+                           compiling=self.compiling, **kwargs)
             if old is not None:
                 end.stats = old.stats
                 if old.compression.method == compression.method == "aqsgd":
