@@ -42,7 +42,7 @@ from .models.split import stage_ranges
 from .pipeline.tie import TieCompressor, exact_rows_nbytes
 from .plan import Plan
 from .state.compression import CompressionState, model_fingerprint
-from .telemetry import TrafficCounter, summarize
+from .telemetry import CounterState, TrafficCounter, summarize
 
 # Keyword arguments that HF training loops pass and that do not change the computation here.
 _IGNORED_KWARGS = frozenset({"return_dict", "use_cache", "output_attentions", "output_hidden_states"})
@@ -86,13 +86,17 @@ class _TiedRows(torch.autograd.Function):
 
 
 class _InferenceBoundary(torch.autograd.Function):
+    """The stateless inference codec (evaluation), its payload counted in `counter` (the pipeline's
+    `evaluation` category: what `eval_step` sends)."""
+
     @staticmethod
-    def forward(ctx, h, forward: Boundary):
+    def forward(ctx, h, forward: Boundary, counter: TrafficCounter):
+        counter.add(forward.inference_payload_nbytes(h.shape, h.dtype), h.numel() * h.element_size())
         return forward.inference_transfer(h)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 # What the model's own forward returns, by task (models/heads.py).
@@ -140,7 +144,9 @@ class SimulatedPipeline(nn.Module):
                                                                   track_error=False, compiling=options)
         # The compressed tie (Plan.tie_compression): the first stage's input embedding module.
         self.tie: TieCompressor | None = None
-        self.traffic: dict[str, TrafficCounter] = {}
+        # Bytes outside the training boundaries, by category, as a pipeline counts them: `evaluation`
+        # (what eval-mode forwards send: evaluation, a DPO reference pass) and, with a compressed tie, `tie`.
+        self.traffic: dict[str, TrafficCounter] = {"evaluation": TrafficCounter()}
         self._tie_module: nn.Module | None = None
         self._in_tie = False
         pairs = self.adapter.tied_weights()
@@ -154,7 +160,10 @@ class SimulatedPipeline(nn.Module):
             self.tie = TieCompressor(plan.tie_compression, "both")
             self.traffic["tie"] = TrafficCounter()
         # All of it, as a pipeline's rank 0 would save it for the whole model.
-        self.compression = CompressionState({**self.boundaries, "tie": self.tie}, rank=0, metadata={
+        counted = {**{name: b.stats for name, b in self.boundaries.items()},
+                   **{f"traffic.{name}": counter for name, counter in self.traffic.items()}}
+        self.compression = CompressionState({**self.boundaries, "tie": self.tie, "counters": CounterState(counted)},
+                                            rank=0, metadata={
             "plan": plan.to_dict(), "world_size": 1, "stage": "all", "blocks": [[r.start, r.stop] for r in self.ranges],
             "model": model_fingerprint(model.config)})
 
@@ -216,7 +225,7 @@ class SimulatedPipeline(nn.Module):
                         h = _CompressedBoundary.apply(h, forward, self.boundaries[f"boundary{s}.backward"],
                                                       mb.sample_id, slot)
                     else:
-                        h = _InferenceBoundary.apply(h, forward)
+                        h = _InferenceBoundary.apply(h, forward, self.traffic["evaluation"])
         part = None
         if mb.labels is not None:
             part = self.adapter.loss(h, mb.labels, num_items)
@@ -253,8 +262,9 @@ class SimulatedPipeline(nn.Module):
             handle.remove()
 
     def stats(self) -> dict:
-        """Bytes sent vs uncompressed, compression ratio and relative error per boundary direction
-        (and, with `Plan.tie_compression`, the tie rows' bytes under `categories["tie"]`)."""
+        """Bytes sent vs uncompressed, compression ratio and relative error per boundary direction;
+        what eval-mode forwards sent under `categories["evaluation"]` and, with
+        `Plan.tie_compression`, the tie rows' bytes under `categories["tie"]`."""
         return summarize({name: b.stats for name, b in self.boundaries.items()}, self.traffic)
 
     def reset_stats(self) -> None:

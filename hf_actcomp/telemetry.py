@@ -104,6 +104,41 @@ class TrafficCounter:
                 "compression_ratio": self.bytes_uncompressed / self.bytes_sent if self.bytes_sent else 1.0}
 
 
+class CounterState:
+    """Byte and error counters as part of a checkpoint's compression state, so that a resumed run
+    goes on counting where it stopped (`comm/bytes_sent`, the compression ratio and the relative
+    errors Trainer logs are cumulative, like its own token and FLOP counts). Timers are not saved:
+    they count this session, as Trainer's `train_runtime` does. A checkpoint without counters (saved
+    by an older version) loads and counts from zero.
+
+    Args:
+        counters: name -> an object with some of `SAVED` as attributes (ChannelStats, TrafficCounter,
+            a data-parallel hook); saved as `{name}.{attribute}`, 0-d int64 or float64 tensors.
+    """
+
+    SAVED = ("messages", "bytes_sent", "bytes_uncompressed", "squared_error", "squared_norm", "last_relative_error")
+
+    def __init__(self, counters: dict[str, object]) -> None:
+        self.counters = counters
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {}
+        for name, counter in self.counters.items():
+            for key in self.SAVED:
+                value = getattr(counter, key, None)
+                if isinstance(value, (int, float)):
+                    dtype = torch.int64 if isinstance(value, int) else torch.float64
+                    state[f"{name}.{key}"] = torch.tensor(value, dtype=dtype)
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, counter in self.counters.items():
+            for key in self.SAVED:
+                saved = state.get(f"{name}.{key}")
+                if saved is not None and hasattr(counter, key):
+                    setattr(counter, key, saved.item())
+
+
 def _reset(counter) -> None:
     for f in fields(counter):
         setattr(counter, f.name, f.default)

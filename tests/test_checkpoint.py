@@ -68,3 +68,38 @@ def test_pipeline_checkpoint_hooks_read_the_state_when_they_run(tmp_path):
     hooks["load"]([], str(tmp_path))
     assert calls == [("save after the switch", str(tmp_path / "actcomp_state")),
                      ("load", str(tmp_path / "actcomp_state"))]
+
+
+def test_counters_go_on_from_a_saved_state(tmp_path):
+    """The byte and error counters are part of the compression state: a simulation that loads a
+    saved state reports the saved totals and adds to them (as the run that never stopped); a state
+    without counters (an older checkpoint) loads and counts from zero."""
+    from pipeline_cases import training_batches
+
+    from hf_actcomp import simulate
+    from hf_actcomp.debug import debug_model
+
+    plan = Plan(num_stages=2, micro_batches=2, forward=Compression("aqsgd", bits=4),
+                backward=Compression("quantize", bits=8), memory=MemoryConfig(num_samples=16))
+
+    def run(sim, batches):
+        for batch in batches:
+            sim(**batch).loss.backward()
+        return sim.stats()
+
+    batches = list(training_batches(256, 6))
+    straight = simulate(debug_model("gpt2", seed=0, vocab_size=256), plan)
+    saved = run(straight, batches[:4])
+    straight.save_compression_state(tmp_path / "state")
+    expected = run(straight, batches[4:])
+    resumed = simulate(debug_model("gpt2", seed=0, vocab_size=256), plan)
+    resumed.load_compression_state(tmp_path / "state")
+    assert resumed.stats()["bytes_sent"] == saved["bytes_sent"] > 0
+    got = run(resumed, batches[4:])
+    for key in ("bytes_sent", "bytes_uncompressed", "compression_ratio"):
+        assert got[key] == expected[key], key
+    assert got["relative_error"] == pytest.approx(expected["relative_error"], rel=1e-6)
+    old = {k: v for k, v in straight.compression_state_dict().items() if not k.startswith("counters.")}
+    fresh = simulate(debug_model("gpt2", seed=0, vocab_size=256), plan)
+    fresh.load_compression_state_dict(old)
+    assert fresh.stats()["bytes_sent"] == 0

@@ -125,3 +125,36 @@ def test_the_recipe_on_two_processes_matches_plain_dpo(tmp_path):
     run("dpo.py", tmp_path / "two", DPO_RECIPE, processes=2)
     assert_same_run(tmp_path / "plain", tmp_path / "two", losses=("loss", "rewards/margins", "logps/chosen"),
                     metrics=("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"), results="all_results.json")
+
+
+def test_checkpoints_resume_exactly_on_two_processes(tmp_path):
+    """ActCompDPOTrainer and ActCompRewardTrainer under 2 processes with AQ-SGD (whose memory the
+    second epoch reads): a checkpoint every 2 steps holds the plan and each stage's state, and a
+    new trainer resumed from step 2 logs the same steps 3-4 and evaluation as the run that never
+    stopped (DPO's policy and reference through the pipeline, the reward model's pairwise loss)."""
+    saving = {"save_strategy": "steps", "save_steps": 2}
+    reward_plan = Plan(num_stages=2, micro_batches=2, forward=Compression("aqsgd", bits=4)).to_dict()
+    runs = {"dpo": {"trainer": "dpo", "plan": AQSGD_EXACT_REFERENCE.to_dict(), "config": saving},
+            "dpo_resumed": {"trainer": "dpo", "plan": AQSGD_EXACT_REFERENCE.to_dict(), "config": saving,
+                            "resume": "dpo/checkpoint-2"},
+            "reward": {"plan": reward_plan, "config": saving},
+            "reward_resumed": {"plan": reward_plan, "config": saving, "resume": "reward/checkpoint-2"}}
+    run_workers("preference_worker.py", 2, [json.dumps({"runs": runs}), str(tmp_path)], timeout=400)
+    for name in ("dpo", "reward"):
+        for step in (2, 4):
+            checkpoint = tmp_path / name / f"checkpoint-{step}"
+            saved = Plan.from_pretrained(str(checkpoint))  # with AQ-SGD's rows: chosen and rejected of 16 pairs
+            assert saved.forward == AQSGD_EXACT_REFERENCE.forward if name == "dpo" else saved.forward.method == "aqsgd"
+            assert saved.memory.num_samples == 32, checkpoint
+        for rank in range(2):
+            full, resumed = (json.loads((tmp_path / f"{run}-rank{rank}.json").read_text())
+                             for run in (name, f"{name}_resumed"))
+            assert resumed["compression_ratio"][2:] == pytest.approx(full["compression_ratio"][2:])
+            assert full["compression_ratio"][3] > 1.2  # the resumed steps read AQ-SGD's restored memory
+            # TRL's `num_tokens` counts from the trainer's construction, not from the checkpoint
+            # (DPOTrainer and RewardTrainer start `_total_train_tokens` at 0); so does ours.
+            tokens = [entry.pop("num_tokens") for entry in resumed["logs"]]
+            full_tokens = [entry.pop("num_tokens") for entry in full["logs"]]
+            assert tokens[2:] == [t - full_tokens[1] for t in full_tokens[2:]]
+            assert resumed["eval"].pop("eval_num_tokens") == full["eval"].pop("eval_num_tokens") - full_tokens[1]
+            assert_same_logs(resumed, full, rel=1e-6, what=f"{name} rank {rank}")

@@ -65,6 +65,16 @@ def test_counted_bytes_are_the_payload_bytes():
     assert stats["bytes_sent"] == sum(c["bytes_sent"] for c in stats["channels"].values())
     assert 0 < stats["relative_error"]["boundary0.forward"] < 0.2
     assert 0 < stats["relative_error"]["boundary0.backward"] < 0.02
+    # Eval-mode forwards (evaluation, a DPO reference pass) send the inference form (quantize 4 is
+    # measured to break on a real LLM: hadamard_outliers 6 there), counted under `evaluation`.
+    sim.eval()
+    with torch.no_grad():
+        sim(**batch)
+    inference = sim.boundaries["boundary0.forward"].inference
+    evaluation = sim.stats()["categories"]["evaluation"]
+    assert evaluation["bytes_sent"] == 2 * 4 * inference.payload_nbytes((2, 16, hidden), torch.float32)
+    assert evaluation["bytes_uncompressed"] == 2 * 4 * numel * 4
+    assert sim.stats()["channels"]["boundary0.forward"]["bytes_sent"] == fwd["bytes_sent"]  # training's unchanged
 
 
 def test_backward_compression_changes_gradients_only_upstream():

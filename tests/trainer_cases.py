@@ -164,14 +164,15 @@ def reward_config(output_dir: str, **overrides):
     return RewardConfig(**kwargs)
 
 
-def reward_run(trainer_cls, output_dir: str, config: dict | None = None, **kwargs) -> dict:
+def reward_run(trainer_cls, output_dir: str, config: dict | None = None, resume: str | None = None,
+               **kwargs) -> dict:
     """Train `trainer_cls` (RewardTrainer or ActCompRewardTrainer, with `kwargs` such as plan=) on
-    preference_rows for 4 steps, then evaluate on 6 pairs: the logged training entries and the
-    evaluation's metrics."""
+    preference_rows for 4 steps (from the checkpoint `resume`, if given), then evaluate on 6 pairs:
+    the logged training entries and the evaluation's metrics."""
     trainer = trainer_cls(model=reward_model(), args=reward_config(output_dir, **(config or {})),
                           train_dataset=preference_rows(), eval_dataset=preference_rows(6, seed=1),
                           processing_class=sample_tokenizer(), **kwargs)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return trainer_results(trainer)
 
 
@@ -188,11 +189,13 @@ def dpo_rows(rows: int = 16, seed: int = 0) -> datasets.Dataset:
                                        for _ in range(rows)])
 
 
-def dpo_run(trainer_cls, output_dir: str, reference: str = "model", config: dict | None = None, **kwargs) -> dict:
+def dpo_run(trainer_cls, output_dir: str, reference: str = "model", config: dict | None = None,
+            resume: str | None = None, **kwargs) -> dict:
     """Train `trainer_cls` (DPOTrainer or ActCompDPOTrainer) on dpo_rows for 4 steps (fp32,
-    accumulation 2), then evaluate on 6 pairs. `reference`: "model" (a copy of the initial policy
-    as `ref_model`), "precompute" (`precompute_ref_log_probs`) or "lora" (a LoRA policy, the
-    reference its adapters disabled). The logged training entries and the evaluation's metrics."""
+    accumulation 2; from the checkpoint `resume`, if given), then evaluate on 6 pairs. `reference`:
+    "model" (a copy of the initial policy as `ref_model`), "precompute" (`precompute_ref_log_probs`)
+    or "lora" (a LoRA policy, the reference its adapters disabled). The logged training entries and
+    the evaluation's metrics."""
     import copy
 
     from trl import DPOConfig
@@ -212,7 +215,7 @@ def dpo_run(trainer_cls, output_dir: str, reference: str = "model", config: dict
     trainer = trainer_cls(model=model, ref_model=copy.deepcopy(model) if reference == "model" else None, args=args,
                           train_dataset=dpo_rows(), eval_dataset=dpo_rows(6, seed=1),
                           processing_class=sample_tokenizer(), **kwargs)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return trainer_results(trainer)
 
 

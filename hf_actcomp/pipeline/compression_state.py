@@ -18,19 +18,25 @@ from ..state.compression import (
     model_fingerprint,
     register_state_hooks,
 )
+from ..telemetry import CounterState, TrafficCounter
 from .auto_tuner import AutoTuner
 from .runner import StageRunner
 from .tie import TiedEmbedding
 
 
 def compression_state(runner: StageRunner, tie: TiedEmbedding | None, data_parallel, ranges: list[range],
-                      config) -> CompressionState:
+                      config, traffic: dict[str, TrafficCounter]) -> CompressionState:
     """This rank's compression state with the ends now in force: the boundary ends, the tie's end
-    and the data-parallel hook (or DiLoCo), checked at load against the plan, layout and model."""
+    and the data-parallel hook (or DiLoCo), checked at load against the plan, layout and model;
+    and what this rank counted (its boundary ends', `traffic`'s and the hook's bytes)."""
     mesh, plan = runner.mesh, runner.plan
     blocks = ranges[mesh.stage]
+    counted = {**{name: end.stats for name, end in runner.boundaries.items()},
+               **{f"traffic.{name}": counter for name, counter in traffic.items()}}
+    if data_parallel is not None:
+        counted["data_parallel"] = data_parallel
     return CompressionState(
-        {**runner.boundaries, "tie": tie, "data_parallel": data_parallel},
+        {**runner.boundaries, "tie": tie, "data_parallel": data_parallel, "counters": CounterState(counted)},
         rank=mesh.replica * mesh.num_stages + mesh.stage,  # the rank in a launch of every replica
         metadata={"plan": plan.to_dict(), "world_size": plan.world_size, "stage": mesh.stage,
                   "blocks": [blocks.start, blocks.stop], "model": model_fingerprint(config)})
@@ -44,12 +50,13 @@ class CompressionStateMixin:
     data_parallel: object
     ranges: list[range]
     config: object
+    traffic: dict[str, TrafficCounter]
     compression: CompressionState
     autotuner: AutoTuner | None
     _optimizer_steps: int
 
     def _compression_state(self) -> CompressionState:
-        return compression_state(self.runner, self.tie, self.data_parallel, self.ranges, self.config)
+        return compression_state(self.runner, self.tie, self.data_parallel, self.ranges, self.config, self.traffic)
 
     def compression_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's EF buffers, AQ-SGD memories, codec counters, data-parallel hook state and,

@@ -1,7 +1,8 @@
 """Worker of the multi-process TRL preference-trainer tests: `python preference_worker.py SPEC_JSON OUT_DIR`.
 
 SPEC: {"runs": {name: {"trainer": "reward" | "dpo", "plan": Plan dict, "config": config overrides,
-"reference": dpo_run's reference ("model" or "lora")}}}. Each run trains trainer_cases.reward_run
+"reference": dpo_run's reference ("model" or "lora"), "resume": a checkpoint folder under
+OUT_DIR to resume from}}}. Each run trains trainer_cases.reward_run
 (ActCompRewardTrainer) or dpo_run (ActCompDPOTrainer); every rank writes `{name}-rank{r}.json`.
 """
 
@@ -21,10 +22,12 @@ def main() -> None:
     spec, out_dir = json.loads(sys.argv[1]), sys.argv[2]
     for name, run in spec["runs"].items():
         plan, folder = Plan.from_dict(run["plan"]), os.path.join(out_dir, name)
+        resume = os.path.join(out_dir, run["resume"]) if run.get("resume") else None
         if run.get("trainer", "reward") == "dpo":
-            result = dpo_run(ActCompDPOTrainer, folder, run.get("reference", "model"), run.get("config"), plan=plan)
+            result = dpo_run(ActCompDPOTrainer, folder, run.get("reference", "model"), run.get("config"),
+                             resume=resume, plan=plan)
         else:
-            result = reward_run(ActCompRewardTrainer, folder, run.get("config"), plan=plan)
+            result = reward_run(ActCompRewardTrainer, folder, run.get("config"), resume=resume, plan=plan)
         with open(os.path.join(out_dir, f"{name}-rank{dist.get_rank()}.json"), "w") as f:
             json.dump(result, f)
     dist.barrier()
