@@ -106,11 +106,17 @@ def load_classifier(num_labels: int, pad_token_id: int):
 
 
 def finetune(name: str, stages: int, seed: int, data, args, pad_token_id: int) -> dict:
-    train, held_out = data
-    forward, backward = settings()[name]
     torch.manual_seed(seed)  # the score head's initialisation
     model = load_classifier(len(args.modules), pad_token_id)
-    evaluation = DataLoader(held_out, batch_size=16, collate_fn=default_data_collator)
+    return train_classifier(model, name, stages, seed, data, args, eval_batch=16)
+
+
+def train_classifier(model, name: str, stages: int, seed: int, data, args, eval_batch: int) -> dict:
+    """`model` trained through the setting `name`'s boundaries: held-out accuracy after each
+    epoch (plain inference) and with the training codec at inference, bytes, seconds."""
+    train, held_out = data
+    forward, backward = settings()[name]
+    evaluation = DataLoader(held_out, batch_size=eval_batch, collate_fn=default_data_collator)
     run = train_simulated(model, forward, backward, stages, seed, train, args, lambda: accuracy(model, evaluation))
     plan, curve, epochs, seconds, sent, raw = (run[k] for k in ("plan", "curve", "epochs", "seconds", "sent", "raw"))
     direct = replace(plan, forward=replace(forward, inference="direct"), backward=replace(backward, inference="direct"))
@@ -146,11 +152,8 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def write(rows: list[dict], meta: dict, name: str) -> None:
-    summary = summarise(rows)
-    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
-        json.dump({"meta": meta, "summary": summary, "rows": rows}, f, indent=1)
     a = meta["args"]
-    lines = [
+    write_rows(rows, meta, name, [
         "# Classifying stdlib functions by module with SmolLM2-135M through compressed boundaries", "",
         f"`benchmarks/real_model_classification.py`: SmolLM2-135M-Instruct (fp32, from its Q4_1 GGUF) with a "
         f"sequence-classification head over {len(a['modules'])} modules ({', '.join(a['modules'])}); "
@@ -162,6 +165,15 @@ def write(rows: list[dict], meta: dict, name: str) -> None:
         "median [min-max] over seeds; gap: accuracy points against `none` of the same seed. 'with the codec': "
         "held-out accuracy with the training codec itself at the boundaries at inference (`inference=\"direct\"`). "
         f"{meta['machine']}.", "",
+    ])
+
+
+def write_rows(rows: list[dict], meta: dict, name: str, intro: list[str]) -> None:
+    """The .json (rows, per-setting summary) and the .md: `intro`, then one table row a setting."""
+    summary = summarise(rows)
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+        json.dump({"meta": meta, "summary": summary, "rows": rows}, f, indent=1)
+    lines = [*intro,
         "| stages | setting | fw | bw | seeds | accuracy | gap vs none | with the codec at inference | eval loss "
         "| vs fp32 | s/run |",
         "|---:|---|---|---|---|---|---|---|---|---:|---:|",

@@ -20,7 +20,7 @@ BATCH_KEYS = ("input_ids", "attention_mask", "labels", "sample_id", "token_type_
 
 @dataclass
 class MicroBatch:
-    input_ids: torch.Tensor
+    input_ids: torch.Tensor  # the first stage's input: token ids, or an image model's pixel_values
     attention_mask: torch.Tensor | None
     labels: torch.Tensor
     sample_id: torch.Tensor | None
@@ -50,6 +50,17 @@ def count_items(task: str, config, labels: torch.Tensor) -> int:
     return int(labels.shape[0])
 
 
+def with_main_input(batch: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    """`batch` with an image model's `pixel_values` under `input_ids`, the key the pipeline carries
+    the first stage's input in (`MicroBatch.input_ids`; `ModelAdapter.main_input_name`)."""
+    if "pixel_values" not in batch:
+        return batch
+    if batch.get("input_ids") is not None:
+        raise ValueError("A batch has both input_ids and pixel_values: give a text model's input_ids or an "
+                         "image model's pixel_values.")
+    return {("input_ids" if k == "pixel_values" else k): v for k, v in batch.items() if k != "input_ids"}
+
+
 def check_batch(batch: dict[str, torch.Tensor | None], plan: Plan, training: bool,
                 sample_range: range | None = None, needs_labels: bool = True) -> None:
     """Raise a ValueError that says what is wrong with `batch` for this plan (AQ-SGD sample ids:
@@ -58,8 +69,8 @@ def check_batch(batch: dict[str, torch.Tensor | None], plan: Plan, training: boo
     unknown = set(batch) - set(BATCH_KEYS)
     if "input_ids" not in batch or unknown:
         raise ValueError(
-            f"A pipeline batch has input_ids (required), attention_mask, labels, sample_id and (an encoder's) "
-            f"token_type_ids; got keys "
+            f"A pipeline batch has input_ids (required; an image model's pixel_values in its place), "
+            f"attention_mask, labels, sample_id and (an encoder's) token_type_ids; got keys "
             f"{sorted(batch)}."
         )
     rows, num_micro = batch["input_ids"].shape[0], plan.micro_batches

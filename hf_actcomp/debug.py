@@ -31,6 +31,8 @@ DEBUG_FAMILIES = (
 )
 # Encoders: no causal LM; `debug_model(family, task=...)` builds their classifiers and masked LM.
 ENCODER_FAMILIES = ("bert", "roberta")
+# Image models: `debug_model(family, task="image_classification")`, 8 x 8 one-channel images (2 x 2 patches).
+IMAGE_FAMILIES = ("vit",)
 
 _VOCAB = 256
 _HIDDEN = 64
@@ -108,6 +110,8 @@ _FAMILY_KWARGS: dict[str, dict[str, Any]] = {
     # Dropout between layers stays (0.1): the stages draw it in the model's order.
     "bert": dict(_ENCODER, pad_token_id=0, type_vocab_size=2),
     "roberta": dict(_ENCODER, pad_token_id=1, type_vocab_size=1, bos_token_id=0, eos_token_id=2),
+    "vit": dict(image_size=8, patch_size=2, num_channels=1, hidden_size=_HIDDEN, num_hidden_layers=_LAYERS,
+                num_attention_heads=_HEADS, intermediate_size=2 * _HIDDEN),
 }
 
 
@@ -122,10 +126,9 @@ def default_attention(family: str) -> str:
 
 
 def _check_family(family: str) -> None:
-    if family not in DEBUG_FAMILIES + ENCODER_FAMILIES:
-        raise ValueError(
-            f"Unknown debug family {family!r}. Available families: {', '.join(DEBUG_FAMILIES + ENCODER_FAMILIES)}."
-        )
+    families = DEBUG_FAMILIES + ENCODER_FAMILIES + IMAGE_FAMILIES
+    if family not in families:
+        raise ValueError(f"Unknown debug family {family!r}. Available families: {', '.join(families)}.")
 
 
 def debug_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
@@ -145,6 +148,7 @@ AUTO_CLASSES = {
     "sequence_classification": transformers.AutoModelForSequenceClassification,
     "token_classification": transformers.AutoModelForTokenClassification,
     "masked_lm": transformers.AutoModelForMaskedLM,
+    "image_classification": transformers.AutoModelForImageClassification,
 }
 
 
@@ -152,19 +156,23 @@ def debug_model(family: str, seed: int = 0, task: str = "causal_lm", **overrides
     """A randomly initialised model built from `debug_config(family, **overrides)`: the causal
     LM, or with `task` the family's sequence or token classifier (3 labels and pad token 0 unless
     overridden: a sequence classifier pools at each row's last non-pad token), or an encoder's
-    (`ENCODER_FAMILIES`) classifiers and masked LM.
+    (`ENCODER_FAMILIES`) classifiers and masked LM, or an image model's (`IMAGE_FAMILIES`)
+    image classifier.
 
     The same `seed` gives the same weights, so two calls build identical models.
     """
     if task not in AUTO_CLASSES:
         raise ValueError(f"task={task!r}: choose one of {', '.join(AUTO_CLASSES)}.")
+    if (family in IMAGE_FAMILIES) != (task == "image_classification"):
+        raise ValueError(f"task={task!r} with the {family} family: image models ({', '.join(IMAGE_FAMILIES)}) build "
+                         "image_classification only, text models the other tasks.")
     encoder = family in ENCODER_FAMILIES
     if (encoder and task == "causal_lm") or (not encoder and task == "masked_lm"):
         raise ValueError(f"task={task!r} with the {family} family: encoders ({', '.join(ENCODER_FAMILIES)}) build "
                          "sequence_classification, token_classification or masked_lm; decoders the others.")
     if task != "causal_lm":
         overrides = {"num_labels": 3, **overrides}
-        if debug_config(family).pad_token_id is None:
+        if family not in IMAGE_FAMILIES and debug_config(family).pad_token_id is None:
             overrides = {"pad_token_id": 0, **overrides}
     config = debug_config(family, **overrides)
     torch.manual_seed(seed)

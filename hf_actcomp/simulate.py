@@ -22,20 +22,30 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import (
     CausalLMOutputWithPast,
+    ImageClassifierOutput,
     MaskedLMOutput,
     SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
 
-from .batching import MicroBatch, check_batch, count_items, micro_batch_count, split_batch
+from .batching import (
+    MicroBatch,
+    check_batch,
+    count_items,
+    micro_batch_count,
+    split_batch,
+    with_main_input,
+)
 from .boundary import Boundary
 from .models import get_adapter
 from .models.compile import compile_blocks, compile_options
 from .models.heads import (
     CAUSAL_LM,
+    IMAGE_CLASSIFICATION,
     MASKED_LM,
     SEQUENCE_CLASSIFICATION,
     TOKEN_CLASSIFICATION,
+    takes_item_count,
 )
 from .models.router import RouterLoss, router_spec
 from .models.split import stage_ranges
@@ -101,7 +111,8 @@ class _InferenceBoundary(torch.autograd.Function):
 
 # What the model's own forward returns, by task (models/heads.py).
 OUTPUTS = {CAUSAL_LM: CausalLMOutputWithPast, SEQUENCE_CLASSIFICATION: SequenceClassifierOutputWithPast,
-           TOKEN_CLASSIFICATION: TokenClassifierOutput, MASKED_LM: MaskedLMOutput}
+           TOKEN_CLASSIFICATION: TokenClassifierOutput, MASKED_LM: MaskedLMOutput,
+           IMAGE_CLASSIFICATION: ImageClassifierOutput}
 
 
 class SimulatedPipeline(nn.Module):
@@ -173,34 +184,39 @@ class SimulatedPipeline(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         sample_id: torch.Tensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
         token_type_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Run the stages micro-batch by micro-batch. The loss is the HF model's: the mean over
         label tokens, or their sum divided by `num_items_in_batch` when given (as
         `transformers.Trainer` passes it under gradient accumulation). A sequence or token
         classifier's loss is the call's mean, as its own forward's (which ignores
-        `num_items_in_batch`)."""
+        `num_items_in_batch`). An image model (ViT) takes `pixel_values` in place of `input_ids`."""
         unknown = set(kwargs) - _IGNORED_KWARGS
         if unknown:
             raise TypeError(
                 f"SimulatedPipeline.forward got unsupported arguments {sorted(unknown)}; it takes "
-                "input_ids, attention_mask, labels, sample_id, num_items_in_batch and (an encoder's) token_type_ids."
+                "input_ids (or an image model's pixel_values), attention_mask, labels, sample_id, "
+                "num_items_in_batch and (an encoder's) token_type_ids."
             )
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "sample_id": sample_id,
                  "token_type_ids": token_type_ids}
+        if pixel_values is not None:
+            batch = with_main_input({**batch, "pixel_values": pixel_values})
+        input_ids = batch["input_ids"]
         compress = self.training
         check_batch(batch, self.plan, training=compress, needs_labels=False)
         self.adapter.check_batch(batch)
         micro = split_batch(batch, micro_batch_count(batch, self.plan, compress))
         # A classifier's own forward takes no `num_items_in_batch` (its loss is the call's mean), so
         # the stages do not either: Trainer then treats both alike.
-        num_items = num_items_in_batch if self.adapter.task == CAUSAL_LM else None
+        num_items = num_items_in_batch if takes_item_count(self.adapter.task, self.config, labels) else None
         if num_items is None and labels is not None and len(micro) > 1:
             num_items = count_items(self.adapter.task, self.config, labels)  # per-micro-batch means would weight rows unevenly
         logits_parts, loss = [], None

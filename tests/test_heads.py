@@ -181,11 +181,17 @@ PIPELINE_CASES = {
     # segments through the first stage; the masked-LM head tied to the first stage's embedding
     "bert-single-label": ("bert", SEQUENCE_CLASSIFICATION, {"hidden_dropout_prob": 0.0}),
     "roberta-masked-lm": ("roberta", MASKED_LM, {"hidden_dropout_prob": 0.0}),
+    # pixel_values into the first stage; boundaries sized from the patches (models/vision.py)
+    "vit-images": ("vit", "image_classification", {}),
 }
 
 
 def case_batch(case: str, model) -> dict:
     """The 4-row batch of a pipeline case, with labels of its problem type."""
+    if model.config.model_type == "vit":
+        from test_vision import image_batch
+
+        return image_batch(4, labels=torch.tensor([2, 0, 1, 1]))
     problem = {"llama-regression": "regression", "opt-multi-label": "multi_label_classification"}.get(case)
     labels = PROBLEMS[problem][1] if problem else (None if case.endswith(("tokens", "masked-lm"))
                                                    else torch.tensor([2, 0, 1, 1]))
@@ -195,7 +201,8 @@ def case_batch(case: str, model) -> dict:
 def test_two_processes_match_the_unsplit_classifier(tmp_path):
     """`prepare` + `train_step` / `eval_step` on 2 ranks: the loss, the last stage's logits and
     every parameter's gradient equal the unsplit model's (BERT's segments reach the first stage,
-    RoBERTa's masked-LM head stays tied to the first stage's embedding)."""
+    RoBERTa's masked-LM head stays tied to the first stage's embedding, ViT's pixel_values reach
+    the first stage and its patches size the boundary)."""
     from distributed import run_workers
     from safetensors.torch import load_file
 

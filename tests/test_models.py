@@ -25,6 +25,7 @@ import hf_actcomp.models as models
 from hf_actcomp.debug import (
     DEBUG_FAMILIES,
     ENCODER_FAMILIES,
+    IMAGE_FAMILIES,
     debug_config,
     debug_model,
     default_attention,
@@ -235,7 +236,7 @@ def test_debug_config_unknown_family():
         debug_config("deberta-v2")
     assert str(info.value) == (
         "Unknown debug family 'deberta-v2'. Available families: gpt2, opt, llama, mistral, qwen2, "
-        "qwen3, gemma2, gemma3_text, phi3, olmo2, mixtral, bert, roberta."
+        "qwen3, gemma2, gemma3_text, phi3, olmo2, mixtral, bert, roberta, vit."
     )
     with pytest.raises(ValueError, match="Available families"):
         debug_model("gptj")
@@ -259,13 +260,14 @@ def tiny_gpt_neox():
 
 
 def test_unsupported_model_type_lists_supported_ones():
-    assert supported_model_types() == sorted(["gpt2", "opt", *VERIFIED_TYPES, *ENCODER_FAMILIES])
-    assert sorted(DEBUG_FAMILIES + ENCODER_FAMILIES) == supported_model_types()  # every verified family is tested
+    assert supported_model_types() == sorted(["gpt2", "opt", *VERIFIED_TYPES, *ENCODER_FAMILIES, *IMAGE_FAMILIES])
+    # every verified family is tested
+    assert sorted(DEBUG_FAMILIES + ENCODER_FAMILIES + IMAGE_FAMILIES) == supported_model_types()
     with pytest.raises(ValueError) as info:
         get_adapter(tiny_gpt_neox())
     assert str(info.value) == (
         "Model type 'gpt_neox' is not supported. Supported model types: bert, gemma2, gemma3_text, "
-        "gpt2, llama, mistral, mixtral, olmo2, opt, phi3, qwen2, qwen3, roberta. See "
+        "gpt2, llama, mistral, mixtral, olmo2, opt, phi3, qwen2, qwen3, roberta, vit. See "
         "docs/adding_a_model.md to add an adapter."
     )
     bert = transformers.BertLMHeadModel(

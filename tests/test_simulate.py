@@ -191,8 +191,10 @@ def test_bad_calls_fail_clearly():
     with torch.no_grad():
         torch.testing.assert_close(sim(**inputs).loss, model(**inputs).loss)
     sim.train()
-    with pytest.raises(TypeError, match=r"unsupported arguments \['pixel_values'\]"):
-        sim(**padded_batch(model.config.vocab_size), pixel_values=1)
+    with pytest.raises(TypeError, match=r"unsupported arguments \['inputs_embeds'\]"):
+        sim(**padded_batch(model.config.vocab_size), inputs_embeds=1)
+    with pytest.raises(ValueError, match="both input_ids and pixel_values"):
+        sim(**padded_batch(model.config.vocab_size), pixel_values=torch.zeros(3, 1, 8, 8))
     aq = simulate(model, Plan(forward=Compression("aqsgd", bits=4), memory=MemoryConfig(num_samples=4)))
     with pytest.raises(ValueError, match="sample_id"):
         aq(input_ids=batch["input_ids"], labels=batch["labels"])

@@ -429,6 +429,8 @@ def two_processes(tmp_path_factory):
         # a sequence classifier: its loss is each call's mean, as the model's own forward
         "classifier": {"plan": {"num_stages": 2}, "family": "llama", "task": "sequence_classification",
                        "evaluate": True},
+        # an image classifier: pixel_values into the first stage
+        "vit": {"plan": {"num_stages": 2}, "family": "vit", "task": "image_classification", "evaluate": True},
         # Trainer's evaluation contract: compute_metrics on what include_for_metrics adds, predict()
         "predict": {"plan": {"num_stages": 2}, "predict": True,
                     "args": {"include_for_metrics": ["inputs", "loss"], "eval_accumulation_steps": 1,
@@ -831,18 +833,22 @@ def test_distributed_predict_and_metrics_equal_plain_trainer(tmp_path, two_proce
         assert result["predict"]["bytes"] == sum(8 + 12 * 8 + b["input_ids"].numel() * 8 for b in batches)
 
 
-def test_distributed_classifier_matches_plain_trainer(tmp_path, two_processes):
-    """A Llama sequence classifier on 2 processes: plain Trainer's logged losses (each call's mean,
-    undivided under accumulation, as Trainer treats a model that ignores `num_items_in_batch`),
-    gradient norms, final weights and evaluation loss."""
-    from trainer_cases import class_collator, classification_rows
+@pytest.mark.parametrize("run", ["classifier", "vit"])
+def test_distributed_classifier_matches_plain_trainer(tmp_path, two_processes, run):
+    """A Llama sequence classifier and a ViT image classifier on 2 processes: plain Trainer's logged
+    losses (each call's mean, undivided under accumulation, as Trainer treats a model that ignores
+    `num_items_in_batch`), gradient norms, final weights and evaluation loss."""
+    from trainer_cases import class_collator, classification_rows, image_collator, image_rows
 
-    reference_model = debug_model("llama", seed=0, task="sequence_classification")
+    family, task, rows, collator = (("llama", "sequence_classification", classification_rows, class_collator)
+                                    if run == "classifier" else ("vit", "image_classification", image_rows,
+                                                                 image_collator))
+    reference_model = debug_model(family, seed=0, task=task)
     reference = Trainer(model=reference_model, args=training_args(str(tmp_path / "reference")),
-                        train_dataset=classification_rows(), data_collator=class_collator)
+                        train_dataset=rows(), data_collator=collator)
     reference.train()
-    expected_eval = reference.evaluate(classification_rows(8))["eval_loss"]
-    out, results = _results(two_processes, "classifier", 2)
+    expected_eval = reference.evaluate(rows(8, seed=1) if run == "vit" else rows(8))["eval_loss"]
+    out, results = _results(two_processes, run, 2)
     for rank, result in enumerate(results):
         norms = [h["grad_norm"] for h in result["logs"]]
         _assert_same_run(reference, result["losses"], norms, _stage_weights(out, 2, 2)[rank], reference_model)

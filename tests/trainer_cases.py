@@ -130,6 +130,18 @@ def class_collator(features: list[dict]) -> dict[str, torch.Tensor]:
             "labels": torch.tensor([f["labels"] for f in features])}
 
 
+def image_rows(rows: int = 32, num_labels: int = 3, seed: int = 0):
+    """1 x 8 x 8 images (the debug ViT's) with a class per image."""
+    g = torch.Generator().manual_seed(seed)
+    return datasets.Dataset.from_dict({"pixel_values": torch.randn(rows, 1, 8, 8, generator=g).tolist(),
+                                       "labels": (torch.arange(rows) % num_labels).tolist()})
+
+
+def image_collator(features: list[dict]) -> dict[str, torch.Tensor]:
+    return {"pixel_values": torch.tensor([f["pixel_values"] for f in features]),
+            "labels": torch.tensor([f["labels"] for f in features])}
+
+
 PREFERENCE_VOCAB = 300  # sample_tokenizer's vocabulary: RewardTrainer aligns the model's pad id to it
 
 

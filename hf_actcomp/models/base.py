@@ -66,6 +66,9 @@ class ModelAdapter(abc.ABC):
 
     model_types: ClassVar[tuple[str, ...]] = ()
     blocks_path: ClassVar[str] = ""
+    # The batch key the first stage reads (the model's `main_input_name`): token ids, or an image
+    # model's `pixel_values`, which the pipeline carries in `MicroBatch.input_ids`.
+    main_input_name: ClassVar[str] = "input_ids"
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
@@ -194,6 +197,11 @@ class ModelAdapter(abc.ABC):
             function = loss_function or self.model.loss_function
             return function(logits, labels, vocab_size=self.config.vocab_size, num_items_in_batch=normaliser)
         return classification_loss(self.task, self.config, logits, labels, normaliser)
+
+    def hidden_shape(self, main_input: Tensor) -> tuple[int, int]:
+        """(rows, positions) of the hidden states the blocks see for the batch's main input: a
+        text model's `input_ids` shape; an image model's from its patches (models/vision.py)."""
+        return (int(main_input.shape[0]), int(main_input.shape[1]))
 
     def check_batch(self, batch: dict[str, Tensor | None]) -> None:
         """Refuse, before any work and on every rank alike, what this model cannot take: a

@@ -1,6 +1,6 @@
 """What the last stage computes after the last block, by task, and its loss.
 
-Four tasks, told apart by the model's class as transformers names it:
+Five tasks, told apart by the model's class as transformers names it:
 
 - `causal_lm` (`...ForCausalLM`, `GPT2LMHeadModel`): the family adapter's own `head` (token
   logits) and the model's `loss_function` (token sum over the step's label tokens);
@@ -12,7 +12,9 @@ Four tasks, told apart by the model's class as transformers names it:
 - `token_classification` (`...ForTokenClassification`): the final norm, dropout and the
   classifier on every position; cross-entropy over the labelled tokens (labels not shifted);
 - `masked_lm` (`...ForMaskedLM`, encoders): the LM head on every position; cross-entropy over
-  the vocabulary at the labelled (masked) tokens, labels not shifted.
+  the vocabulary at the labelled (masked) tokens, labels not shifted;
+- `image_classification` (`...ForImageClassification`, ViT: models/vision.py): the family's head on
+  the [CLS] token; the loss as the sequence classifier's (transformers maps the class to it).
 
 Encoders (models/encoder.py) run their own heads (BERT's pooler on the first token, RoBERTa's
 classification head) in place of the decoders' final norm and pooling; the losses are these.
@@ -35,7 +37,8 @@ CAUSAL_LM = "causal_lm"
 SEQUENCE_CLASSIFICATION = "sequence_classification"
 TOKEN_CLASSIFICATION = "token_classification"
 MASKED_LM = "masked_lm"
-TASKS = (CAUSAL_LM, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, MASKED_LM)
+IMAGE_CLASSIFICATION = "image_classification"
+TASKS = (CAUSAL_LM, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, MASKED_LM, IMAGE_CLASSIFICATION)
 
 # The task head's modules after the final norm, by task: the first set whose modules all exist.
 HEAD_MODULES = {
@@ -55,6 +58,8 @@ def task_of(model: nn.Module) -> str:
         return TOKEN_CLASSIFICATION
     if name.endswith("ForMaskedLM"):
         return MASKED_LM
+    if name.endswith("ForImageClassification"):
+        return IMAGE_CLASSIFICATION
     raise ValueError(
         f"{name} is not a model hf-actcomp splits: it takes a family's causal LM (AutoModelForCausalLM), "
         "sequence classifier (AutoModelForSequenceClassification), token classifier "
@@ -110,6 +115,18 @@ def problem_type(config, labels: Tensor) -> str:
         else:
             config.problem_type = "multi_label_classification"
     return config.problem_type
+
+
+def takes_item_count(task: str, config, labels: Tensor | None) -> bool:
+    """Whether the model's own forward divides its loss by a `num_items_in_batch` it is given, as
+    Trainer passes under gradient accumulation: the causal LM (its token sum over the count) and an
+    image classifier's single-label loss (transformers' `ForSequenceClassificationLoss` passes the
+    count on to its cross-entropy); the sequence and token classifiers and the masked LM take their
+    call's mean whatever they are given, and so do regression and multi-label losses."""
+    if task == CAUSAL_LM:
+        return True
+    return (task == IMAGE_CLASSIFICATION and labels is not None
+            and problem_type(config, labels) == "single_label_classification")
 
 
 def classification_loss(task: str, config, logits: Tensor, labels: Tensor,

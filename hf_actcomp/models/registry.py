@@ -14,6 +14,7 @@ from .decoder import DecoderAdapter, has_standard_layout
 from .encoder import EncoderAdapter
 from .gpt2 import GPT2Adapter
 from .opt import OPTAdapter
+from .vision import ViTAdapter
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {}
 
@@ -92,6 +93,6 @@ def get_adapter(model: PreTrainedModel) -> ModelAdapter:
     return cls(model)
 
 
-for _cls in (GPT2Adapter, OPTAdapter, DecoderAdapter, EncoderAdapter):
+for _cls in (GPT2Adapter, OPTAdapter, DecoderAdapter, EncoderAdapter, ViTAdapter):
     register_adapter(_cls)
 del _cls

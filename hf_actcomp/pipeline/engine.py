@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..batching import check_batch, count_items, micro_batch_count, split_batch
+from ..batching import check_batch, count_items, micro_batch_count, split_batch, with_main_input
 from ..boundary import Boundary
 from ..models import unwrap_peft
 from ..plan import Plan
@@ -181,6 +181,7 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
                 `model(**batch, num_items_in_batch=...)`. Default: this step's tokens.
             sync: average over replicas after this step (default: True outside `no_sync()`).
         """
+        batch = with_main_input(batch)
         check_batch(batch, self.plan, training=True, sample_range=self.sample_range)
         self.check_model_batch(batch)
         if self.outer is not None and not self.outer.attached:
@@ -222,6 +223,7 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
         `keep_logits`: the last stage also returns the whole batch's logits. `micro_batches`: how
         many to cut the batch into (default: the plan's, or one per row of a shorter batch; no
         state depends on it here). Without labels there is no loss (`loss` None)."""
+        batch = with_main_input(batch)
         has_labels = batch.get("labels") is not None
         check_batch(batch, self.plan, training=False, needs_labels=has_labels)
         self.check_model_batch(batch)

@@ -143,7 +143,7 @@ class StageRunner:
     # ------------------------------------------------------------------------- one micro-batch
     def shape(self, mb: MicroBatch) -> tuple[int, ...]:
         """The shape of what crosses a boundary for micro-batch `mb` (either direction)."""
-        return (*mb.input_ids.shape, self.hidden_size)
+        return (*self.stage.adapter.hidden_shape(mb.input_ids), self.hidden_size)
 
     def post_receives(self, micro: list[MicroBatch], *, training: bool, codec=None) -> None:
         """Post every receive of the step at its start (sizes are known without data), so that a

@@ -65,9 +65,10 @@ class PadToLength:
     builds its batch from known keys only (TRL's SFT collator does). A collator that makes
     `rows_per_example` rows of each example (TRL's preference collators: every chosen row, then
     every rejected one) gets one key per row: example i's j-th row is `rows_per_example * i + j`.
+    `length=None`: the ids only (an image model's rows all have one length already).
     """
 
-    def __init__(self, collator: Callable, length: int, pad_token_id: int, rows_per_example: int = 1) -> None:
+    def __init__(self, collator: Callable, length: int | None, pad_token_id: int, rows_per_example: int = 1) -> None:
         self.collator = collator
         self.length = length
         self.pad_token_id = pad_token_id
@@ -79,6 +80,8 @@ class PadToLength:
             ids = torch.tensor([int(f[SAMPLE_ID]) for f in features], dtype=torch.long)
             k = self.rows_per_example
             batch[SAMPLE_ID] = torch.cat([k * ids + j for j in range(k)])
+        if self.length is None:
+            return batch
         extra = self.length - batch["input_ids"].shape[1]
         if extra < 0:
             raise ValueError(
@@ -149,8 +152,11 @@ class ActCompTrainer(Trainer):
         self._card_datasets: str | list[str] | None = None
         self._backend.start()
         self._train_collator = self.data_collator
+        # AQ-SGD's memory keeps one row per sample at one length: token rows are padded to it (an
+        # image model's rows all have its patches already).
+        text = getattr(unwrap_peft(self.model), "main_input_name", "input_ids") == "input_ids"
         if self.plan.uses_aqsgd and self.train_dataset is not None:
-            length = pad_to_length or self._longest_training_row()
+            length = (pad_to_length or self._longest_training_row()) if text else None
             pad_id = getattr(self.processing_class, "pad_token_id", None)
             self._train_collator = PadToLength(self.data_collator, length, pad_id if pad_id is not None else 0,
                                                self._rows_per_example)

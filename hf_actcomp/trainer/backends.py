@@ -25,7 +25,7 @@ from .. import hub
 from ..batching import count_items, count_label_tokens
 from ..inference import compressed_inference
 from ..models import unwrap_peft
-from ..models.heads import CAUSAL_LM, task_of
+from ..models.heads import CAUSAL_LM, takes_item_count, task_of
 from ..pipeline import prepare
 from ..pipeline.loading import load_stage_model
 from ..pipeline.mesh import check_world_size
@@ -285,15 +285,18 @@ class Pipelined(Backend):
             clear_device_cache()  # as Trainer's training_step does
         steps = trainer.current_gradient_accumulation_steps
         scaled = num_items_in_batch is not None
-        if self.pipe.task != CAUSAL_LM and inputs.get("labels") is not None:
+        labels = inputs.get("labels")
+        if labels is not None and not takes_item_count(self.pipe.task, self.pipe.config, labels):
             # A classifier's own forward takes its call's mean and ignores the count Trainer passes,
             # so Trainer divides by the accumulation steps only where it passes none: the same here.
             count = count_items(self.pipe.task, self.pipe.config, inputs["labels"])
             num_items_in_batch, scaled = (count if scaled else count * steps), True
-        elif not scaled and steps > 1 and inputs.get("labels") is not None:
+        elif not scaled and steps > 1 and labels is not None:
             # Where Trainer lets the model take each batch's own mean (no loss kwargs), it divides
             # that mean by the accumulation steps before the backward: the same, as a normaliser.
-            num_items_in_batch = self._over_replicas(count_label_tokens(inputs["labels"])) * steps
+            count = (count_label_tokens(labels) if self.pipe.task == CAUSAL_LM
+                     else count_items(self.pipe.task, self.pipe.config, labels))
+            num_items_in_batch = self._over_replicas(count) * steps
             scaled = True
         out = self.pipe.train_step(inputs, num_items_in_batch=num_items_in_batch,
                                    sync=trainer.accelerator.sync_gradients)

@@ -7,7 +7,8 @@ checkpoint given to ActCompTrainer by path instead of the in-memory debug model)
 and preprocess_logits_for_metrics from trainer_cases; after training, predict() and evaluate()), "subclass"
 (trainer_cases.extending_trainer instead of ActCompTrainer), "model_mean" (a model that takes no loss kwargs), "double_loss" (model.loss_function doubled), "plain" (transformers.Trainer on the whole model instead, DDP over
 the processes), "push" (Trainer.push_to_hub at the end, with the Hub's two calls recorded per rank), "task"
-(debug_model's task: a classifier trains on trainer_cases.classification_rows)}. Each rank writes its logged losses
+(debug_model's task: a classifier trains on trainer_cases.classification_rows, an image classifier
+on image_rows)}. Each rank writes its logged losses
 (`losses-rank{r}.json`) and its stage's parameters (`weights-rank{r}.safetensors`).
 """
 
@@ -31,6 +32,8 @@ from trainer_cases import (  # noqa: E402
     classification_rows,
     doubled,
     extending_trainer,
+    image_collator,
+    image_rows,
     lora_model,
     pad_collator,
     ragged_dataset,
@@ -84,8 +87,12 @@ def main(spec: dict, out_dir: str) -> None:
     task = spec.get("task", "causal_lm")  # a classifier trains on classification_rows
     model = spec.get("model_path") or debug_model(spec.get("family", "gpt2"), seed=0, task=task, **overrides).to(
         getattr(torch, spec.get("dtype", "float32")))
-    train, evaluation, collator = ((ragged_dataset(), ragged_dataset(8, seed=1), pad_collator) if task == "causal_lm"
-                                   else (classification_rows(), classification_rows(8), class_collator))
+    if task == "causal_lm":
+        train, evaluation, collator = ragged_dataset(), ragged_dataset(8, seed=1), pad_collator
+    elif task == "image_classification":
+        train, evaluation, collator = image_rows(), image_rows(8, seed=1), image_collator
+    else:
+        train, evaluation, collator = classification_rows(), classification_rows(8), class_collator
     if spec.get("model_mean"):  # Trainer then passes no num_items_in_batch: the model takes each batch's mean
         model.accepts_loss_kwargs = False
     if spec.get("double_loss"):  # a loss of the user's own, set on the model (what replaces compute_loss)
