@@ -60,13 +60,16 @@ def weights(out) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def assert_same_run(reference, other, losses=("loss",), metrics=("eval_loss",), results="eval_results.json") -> None:
+def assert_same_run(reference, other, losses=("loss",), metrics=("eval_loss",), results="eval_results.json",
+                    load=None) -> None:
+    """The logged `losses`, the `metrics` of `results` and the saved weights (the safetensors
+    files, or what `load(folder)` returns as a state dict) of two runs agree."""
     for key in losses:
         assert logged(other, key) == pytest.approx(logged(reference, key), rel=1e-5), key
     expected, got = (json.loads((d / results).read_text()) for d in (reference, other))
     for key in metrics:
         assert got[key] == pytest.approx(expected[key], rel=1e-5), key
-    a, b = weights(reference), weights(other)
+    a, b = (load or weights)(reference), (load or weights)(other)
     assert a and a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-4, msg=name)

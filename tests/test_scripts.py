@@ -59,3 +59,33 @@ def test_launchers_on_cpu_need_no_environment(clm_runs, launcher):
         assert (checkpoint / "actcomp_complete.json").is_file()
         assert {"optimizer-rank0.pt", "optimizer-rank1.pt"} <= set(os.listdir(checkpoint))
     assert "use_cpu=True" not in logs["one"]
+
+
+# ----------------------------------------------------------------------------- run_glue, run_image_classification
+SMALL = ["--do_train", "--do_eval", "--max_train_samples", "32", "--max_eval_samples", "16",
+         "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--max_steps", "4",
+         "--learning_rate", "1e-3", "--logging_steps", "1", "--report_to", "none", "--seed", "0",
+         "--disable_tqdm", "true"]
+GLUE = [*SMALL, "--max_seq_length", "32", "--config_overrides", "hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0"]
+
+
+@pytest.mark.parametrize("script, args, metrics", [
+    ("run_glue.py", GLUE, ("eval_loss", "eval_accuracy", "eval_f1")),  # BERT, sentence pairs with segments
+    ("run_image_classification.py", SMALL, ("eval_loss", "eval_accuracy")),  # ViT, pixel_values
+], ids=["glue", "image_classification"])
+def test_classification_scripts_on_two_processes_match_plain_trainer(tmp_path, script, args, metrics):
+    """transformers' run_glue and run_image_classification, restated with two lines changed: plain
+    Trainer on the unsplit model against ActCompTrainer under plain torchrun with one stage per
+    process: the same logged losses, evaluation metrics (compute_metrics) and final weights."""
+    run(script, tmp_path / "plain", [*args, "--plain"])
+    run(script, tmp_path / "two", args, processes=2)
+    # transformers writes ViT's weights under their pre-5.0 names, the stages under the model's own:
+    # both load with from_pretrained into the same model
+    load = loaded_image_classifier if script == "run_image_classification.py" else None
+    assert_same_run(tmp_path / "plain", tmp_path / "two", losses=("loss", "grad_norm"), metrics=metrics, load=load)
+
+
+def loaded_image_classifier(folder) -> dict:
+    from transformers import AutoModelForImageClassification
+
+    return dict(AutoModelForImageClassification.from_pretrained(folder).state_dict())
