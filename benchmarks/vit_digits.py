@@ -8,7 +8,7 @@ the only image set at hand offline, and no pretrained ViT exists at that size, s
 from scratch: 2 x 2 patches (16 + [CLS] = 17 positions), hidden 64, 4 layers, split in 2 stages
 after layer 2. Every fifth image is held out (360), the rest train (1,437).
 
-    pip install scikit-learn
+    pip install "hf-actcomp[bench]"            # scikit-learn, for load_digits
     python benchmarks/vit_digits.py                  # the grid: 5 settings x 3 seeds
     python benchmarks/vit_digits.py --quick          # 2 settings, 1 seed, 2 epochs
 """
