@@ -45,7 +45,7 @@ def count_items(task: str, config, labels: torch.Tensor) -> int:
         return count_label_tokens(labels)
     if task in (TOKEN_CLASSIFICATION, MASKED_LM):
         return count_label_tokens(labels, shifted=False)
-    if problem_type(config, labels) == "single_label_classification":
+    if problem_type(config, labels, record=False) == "single_label_classification":
         return int(labels.ne(-100).sum())
     return int(labels.shape[0])
 

@@ -238,4 +238,5 @@ def trainer_results(trainer) -> dict:
     metrics = trainer.evaluate()
     return {"logs": [{k: v for k, v in h.items() if not k.startswith("comm/")} for h in history],
             "eval": {k: v for k, v in metrics.items() if "runtime" not in k and "per_second" not in k},
-            "compression_ratio": [h.get("comm/compression_ratio") for h in history]}
+            "compression_ratio": [h.get("comm/compression_ratio") for h in history],
+            "problem_type": getattr(trainer.model.config, "problem_type", None)}

@@ -104,17 +104,22 @@ def last_non_pad_logits(logits: Tensor, input_ids: Tensor | None, config) -> Ten
     return logits[torch.arange(rows, device=logits.device), last]
 
 
-def problem_type(config, labels: Tensor) -> str:
+def problem_type(config, labels: Tensor, record: bool = True) -> str:
     """`config.problem_type`, decided from the labels the first time as transformers decides it
-    (and recorded on the config, as the model's own forward records it)."""
-    if config.problem_type is None:
-        if config.num_labels == 1:
-            config.problem_type = "regression"
-        elif labels.dtype in (torch.long, torch.int):
-            config.problem_type = "single_label_classification"
-        else:
-            config.problem_type = "multi_label_classification"
-    return config.problem_type
+    and, with `record`, recorded on the config as the model's own loss records it. Counting
+    (`batching.count_items`) does not record: a trainer with its own loss (a reward model's) never
+    runs the model's, and the config stays as the plain trainer leaves it."""
+    if config.problem_type is not None:
+        return config.problem_type
+    if config.num_labels == 1:
+        kind = "regression"
+    elif labels.dtype in (torch.long, torch.int):
+        kind = "single_label_classification"
+    else:
+        kind = "multi_label_classification"
+    if record:
+        config.problem_type = kind
+    return kind
 
 
 def takes_item_count(task: str, config, labels: Tensor | None) -> bool:
@@ -126,7 +131,7 @@ def takes_item_count(task: str, config, labels: Tensor | None) -> bool:
     if task == CAUSAL_LM:
         return True
     return (task == IMAGE_CLASSIFICATION and labels is not None
-            and problem_type(config, labels) == "single_label_classification")
+            and problem_type(config, labels, record=False) == "single_label_classification")
 
 
 def classification_loss(task: str, config, logits: Tensor, labels: Tensor,
