@@ -30,7 +30,7 @@ DEBUG_FAMILIES = (
     "mixtral",
 )
 # Encoders: no causal LM; `debug_model(family, task=...)` builds their classifiers and masked LM.
-ENCODER_FAMILIES = ("bert", "roberta")
+ENCODER_FAMILIES = ("bert", "roberta", "deberta-v2")
 # Image models: `debug_model(family, task="image_classification")`, 8 x 8 one-channel images (2 x 2 patches).
 IMAGE_FAMILIES = ("vit",)
 
@@ -110,13 +110,17 @@ _FAMILY_KWARGS: dict[str, dict[str, Any]] = {
     # Dropout between layers stays (0.1): the stages draw it in the model's order.
     "bert": dict(_ENCODER, pad_token_id=0, type_vocab_size=2),
     "roberta": dict(_ENCODER, pad_token_id=1, type_vocab_size=1, bos_token_id=0, eos_token_id=2),
+    # Relative attention in log buckets (as DeBERTa-v3), segments, and the convolution after layer 0.
+    "deberta-v2": dict(_ENCODER, pad_token_id=0, type_vocab_size=2, relative_attention=True, position_buckets=16,
+                       max_relative_positions=32, pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm",
+                       share_att_key=True, position_biased_input=False, conv_kernel_size=3),
     "vit": dict(image_size=8, patch_size=2, num_channels=1, hidden_size=_HIDDEN, num_hidden_layers=_LAYERS,
                 num_attention_heads=_HEADS, intermediate_size=2 * _HIDDEN),
 }
 
 
 # Gemma 2 soft-caps attention scores, which transformers' SDPA path cannot do.
-_ATTENTION = {"gemma2": "eager"}
+_ATTENTION = {"gemma2": "eager", "deberta-v2": "eager"}
 
 
 def default_attention(family: str) -> str:

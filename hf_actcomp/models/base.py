@@ -118,7 +118,8 @@ class ModelAdapter(abc.ABC):
         """Dotted paths (in the model) of the modules run after the last block."""
 
     def _context_paths(self) -> list[str]:
-        """Parameter-free modules every stage needs to build its block context (rotary tables).
+        """Modules every stage needs to build its block context (rotary tables; DeBERTa-v2's
+        relative-position embeddings, which have parameters: that family runs in one process).
 
         Registered in every stage so that moving a stage to a device moves their buffers too.
         """

@@ -10,6 +10,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .base import ModelAdapter
+from .deberta import DebertaV2Adapter
 from .decoder import DecoderAdapter, has_standard_layout
 from .encoder import EncoderAdapter
 from .gpt2 import GPT2Adapter
@@ -93,6 +94,6 @@ def get_adapter(model: PreTrainedModel) -> ModelAdapter:
     return cls(model)
 
 
-for _cls in (GPT2Adapter, OPTAdapter, DecoderAdapter, EncoderAdapter, ViTAdapter):
+for _cls in (GPT2Adapter, OPTAdapter, DecoderAdapter, EncoderAdapter, DebertaV2Adapter, ViTAdapter):
     register_adapter(_cls)
 del _cls

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..batching import check_batch, count_items, micro_batch_count, split_batch, with_main_input
 from ..boundary import Boundary
-from ..models import unwrap_peft
+from ..models import get_adapter, unwrap_peft
 from ..plan import Plan
 from ..state.weight_shards import StageWeights
 from . import construction as build
@@ -303,7 +303,11 @@ def prepare(model: nn.Module | str | os.PathLike, plan: Plan | str, *, device: t
     elif torch_dtype is not None:
         raise ValueError("torch_dtype applies when prepare() loads a checkpoint by name or path; convert an "
                          "in-memory model with model.to(dtype) instead.")
+    base = unwrap_peft(model)
+    one_process_only = getattr(get_adapter(base), "in_one_process_only", None)  # stages sharing parameters
+    if one_process_only:
+        raise ValueError(f"{type(base).__name__} cannot run one stage per process: {one_process_only}")
     if activation_checkpointing:
-        unwrap_peft(model).activation_checkpointing_enable()
+        base.activation_checkpointing_enable()
     return Pipeline(model, plan, device=device, timeout=timeout, autocast_dtype=autocast_dtype,
                     track_error=track_error, compile=compile, compile_kwargs=compile_kwargs)
