@@ -52,7 +52,7 @@ def count_items(task: str, config, labels: torch.Tensor) -> int:
 
 def with_main_input(batch: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
     """`batch` with an image model's `pixel_values` under `input_ids`, the key the pipeline carries
-    the first stage's input in (`MicroBatch.input_ids`; `ModelAdapter.main_input_name`)."""
+    the first stage's input in (`MicroBatch.input_ids`; the model's `main_input_name`)."""
     if "pixel_values" not in batch:
         return batch
     if batch.get("input_ids") is not None:

@@ -171,9 +171,8 @@ class SimulatedPipeline(nn.Module):
             self.tie = TieCompressor(plan.tie_compression, "both")
             self.traffic["tie"] = TrafficCounter()
         # All of it, as a pipeline's rank 0 would save it for the whole model.
-        counted = {**{name: b.stats for name, b in self.boundaries.items()},
-                   **{f"traffic.{name}": counter for name, counter in self.traffic.items()}}
-        self.compression = CompressionState({**self.boundaries, "tie": self.tie, "counters": CounterState(counted)},
+        counters = CounterState.of(self.boundaries, self.traffic)
+        self.compression = CompressionState({**self.boundaries, "tie": self.tie, "counters": counters},
                                             rank=0, metadata={
             "plan": plan.to_dict(), "world_size": 1, "stage": "all", "blocks": [[r.start, r.stop] for r in self.ranges],
             "model": model_fingerprint(model.config)})

@@ -121,6 +121,16 @@ class CounterState:
     def __init__(self, counters: dict[str, object]) -> None:
         self.counters = counters
 
+    @classmethod
+    def of(cls, boundaries: dict, traffic: dict[str, TrafficCounter], data_parallel=None) -> CounterState:
+        """The counters of `boundaries` (name -> Boundary), of `traffic` (saved as `traffic.{name}`)
+        and of the data-parallel hook, if any."""
+        counted = {**{name: end.stats for name, end in boundaries.items()},
+                   **{f"traffic.{name}": counter for name, counter in traffic.items()}}
+        if data_parallel is not None:
+            counted["data_parallel"] = data_parallel
+        return cls(counted)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {}
         for name, counter in self.counters.items():

@@ -66,9 +66,6 @@ class ModelAdapter(abc.ABC):
 
     model_types: ClassVar[tuple[str, ...]] = ()
     blocks_path: ClassVar[str] = ""
-    # The batch key the first stage reads (the model's `main_input_name`): token ids, or an image
-    # model's `pixel_values`, which the pipeline carries in `MicroBatch.input_ids`.
-    main_input_name: ClassVar[str] = "input_ids"
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model

@@ -29,7 +29,6 @@ class ViTAdapter(ModelAdapter):
 
     model_types = ("vit",)
     blocks_path = "vit.layers"
-    main_input_name = "pixel_values"
 
     def __init__(self, model: nn.Module) -> None:
         if not type(model).__name__.endswith("ForImageClassification"):

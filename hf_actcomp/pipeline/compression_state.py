@@ -31,12 +31,9 @@ def compression_state(runner: StageRunner, tie: TiedEmbedding | None, data_paral
     and what this rank counted (its boundary ends', `traffic`'s and the hook's bytes)."""
     mesh, plan = runner.mesh, runner.plan
     blocks = ranges[mesh.stage]
-    counted = {**{name: end.stats for name, end in runner.boundaries.items()},
-               **{f"traffic.{name}": counter for name, counter in traffic.items()}}
-    if data_parallel is not None:
-        counted["data_parallel"] = data_parallel
+    counters = CounterState.of(runner.boundaries, traffic, data_parallel)
     return CompressionState(
-        {**runner.boundaries, "tie": tie, "data_parallel": data_parallel, "counters": CounterState(counted)},
+        {**runner.boundaries, "tie": tie, "data_parallel": data_parallel, "counters": counters},
         rank=mesh.replica * mesh.num_stages + mesh.stage,  # the rank in a launch of every replica
         metadata={"plan": plan.to_dict(), "world_size": plan.world_size, "stage": mesh.stage,
                   "blocks": [blocks.start, blocks.stop], "model": model_fingerprint(config)})
