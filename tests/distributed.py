@@ -1,11 +1,22 @@
 """Launch worker scripts as a gloo job on 127.0.0.1: a free port, OMP_NUM_THREADS=1, one overall
 deadline, every rank's output drained while it runs, and only our own processes killed when
-something hangs."""
+something hangs.
+
+Every worker imports torch, transformers and hf_actcomp: 6-9 s of CPU per process on a 2-core
+machine, most of a short multi-process test. So the workers fork from one interpreter that has
+imported them already (multiprocessing's forkserver with those modules preloaded), each with the
+environment, argv, `sys.path[0]` and stdout/stderr that `python tests/workers/SCRIPT` would
+give it. A run inside network namespaces still starts a fresh Python under `ip netns exec`. The
+recipes' tests (tests/scripts.py) always start fresh interpreters: they test the launchers.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import runpy
 import shutil
 import socket
 import subprocess
@@ -17,6 +28,14 @@ from dataclasses import dataclass
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 WORKERS = os.path.join(TESTS, "workers")
+# What the workers import; a module that is not installed (trl) is skipped by the forkserver.
+PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "safetensors.torch", "transformers",
+           "transformers.trainer", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+           "transformers.models.opt.modeling_opt", "hf_actcomp", "hf_actcomp.debug", "hf_actcomp.pipeline", "trl"]
+# Read when those modules are imported, so the forkserver is started with them.
+IMPORT_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+_FORKSERVER = multiprocessing.get_context("forkserver")
+_warm: list[bool] = []
 
 
 def free_port() -> int:
@@ -43,6 +62,65 @@ def _report(results: list[WorkerResult], headline: str) -> str:
     return "\n".join(parts)
 
 
+def _start_forkserver() -> None:
+    """Start the forkserver once, with PRELOAD imported under IMPORT_ENV (this process's own
+    environment is left as it was)."""
+    _FORKSERVER.set_forkserver_preload(PRELOAD)
+    saved = {key: os.environ.get(key) for key in IMPORT_ENV}
+    os.environ.update(IMPORT_ENV)
+    try:
+        multiprocessing.forkserver.ensure_running()
+        if not _warm:  # the first fork waits for the imports: not inside any test's deadline
+            warm_up = _FORKSERVER.Process(target=int)
+            warm_up.start()
+            warm_up.join()
+            _warm.append(True)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
+
+
+def _run_script(path: str, argv: list[str], env: dict[str, str], out_path: str, err_path: str) -> None:
+    """In a forked worker: what `python path *argv` with `env` would have, then the script as
+    `__main__`. Its exit code is the process's (multiprocessing reports an exception as 1)."""
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, name in ((1, out_path), (2, err_path)):
+        handle = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(handle, fd)
+        os.close(handle)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(path))
+    runpy.run_path(path, run_name="__main__")
+
+
+class _ForkedWorker:
+    """A worker forked from the forkserver, with `subprocess.Popen`'s poll / kill / wait /
+    returncode (a signal's death as minus its number, as Popen reports it)."""
+
+    def __init__(self, path: str, argv: list[str], env: dict[str, str], out_path: str, err_path: str) -> None:
+        self.process = _FORKSERVER.Process(target=_run_script, args=(path, argv, env, out_path, err_path))
+        self.process.start()
+        self.pid = self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def wait(self) -> int | None:
+        self.process.join()
+        return self.process.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+
 def run_workers(script: str, world_size: int, args: list[str], timeout: float = 240,
                 check: bool = True, namespaces: list[tuple[str, str, str]] | None = None,
                 env: dict[str, str] | None = None) -> list[WorkerResult]:
@@ -55,6 +133,8 @@ def run_workers(script: str, world_size: int, args: list[str], timeout: float = 
     `env`: variables added to every rank's environment.
     """
     port = free_port()
+    if not namespaces:
+        _start_forkserver()
     procs, files, killed = [], [], set()
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="hf_actcomp_workers_") as logs:
@@ -70,8 +150,12 @@ def run_workers(script: str, world_size: int, args: list[str], timeout: float = 
                 out = open(os.path.join(logs, f"rank{rank}.out"), "w+")  # noqa: SIM115 - closed below
                 err = open(os.path.join(logs, f"rank{rank}.err"), "w+")  # noqa: SIM115
                 files.append((out, err))
-                procs.append(subprocess.Popen([*prefix, sys.executable, os.path.join(WORKERS, script), *args], env=rank_env,
-                                              stdout=out, stderr=err, text=True))
+                path = os.path.join(WORKERS, script)
+                if namespaces:
+                    procs.append(subprocess.Popen([*prefix, sys.executable, path, *args], env=rank_env,
+                                                  stdout=out, stderr=err, text=True))
+                else:
+                    procs.append(_ForkedWorker(path, list(args), rank_env, out.name, err.name))
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -45,6 +46,13 @@ def run(script: str, out, args: list[str], processes: int = 1, timeout: float = 
         raise AssertionError(f"{script} on {processes} process(es) hung:\n{output[-4000:]}") from None
     assert proc.returncode == 0, f"{script} on {processes} process(es) failed:\n{output[-4000:]}"
     return output
+
+
+def run_side_by_side(*runs: tuple[str, object, list[str]]) -> list[str]:
+    """One-process runs `(script, out, args)` at the same time, one per core (each has one
+    thread); returns their outputs in order."""
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        return list(pool.map(lambda job: run(*job), runs))
 
 
 def logged(out, key: str) -> list[float]:

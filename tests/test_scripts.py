@@ -10,7 +10,7 @@ import json
 import os
 
 import pytest
-from scripts import NO_DROPOUT, assert_same_run, run
+from scripts import NO_DROPOUT, assert_same_run, run, run_side_by_side
 
 # ----------------------------------------------------------------------------- run_clm
 CLM = ["--do_train", "--do_eval", "--max_texts", "400", "--max_train_samples", "32", "--max_eval_samples", "16",
@@ -25,10 +25,10 @@ CLM = ["--do_train", "--do_eval", "--max_texts", "400", "--max_train_samples", "
 @pytest.fixture(scope="module")
 def clm_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("run_clm")
-    logs = {"plain": run("run_clm.py", root / "plain", [*CLM, "--plain"]),
-            "one": run("run_clm.py", root / "one", CLM),
-            "two": run("run_clm.py", root / "two", CLM, processes=2),
-            "accelerate": run("run_clm.py", root / "accelerate", CLM, processes=2, launcher="accelerate")}
+    logs = dict(zip(("plain", "one"), run_side_by_side(("run_clm.py", root / "plain", [*CLM, "--plain"]),
+                                                        ("run_clm.py", root / "one", CLM)), strict=True))
+    logs.update({"two": run("run_clm.py", root / "two", CLM, processes=2),
+            "accelerate": run("run_clm.py", root / "accelerate", CLM, processes=2, launcher="accelerate")})
     return root, logs
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from scripts import NO_DROPOUT, ROOT, assert_same_run, run
+from scripts import NO_DROPOUT, ROOT, assert_same_run, run, run_side_by_side
 from transformers import Trainer
 
 from hf_actcomp import Compression, Plan
@@ -37,8 +37,8 @@ SAVING = ["--save_strategy", "steps", "--save_steps", "2"]  # TRL writes its car
 def sft_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
     for case, extra in SFT_CASES.items():
-        run("sft.py", root / case / "plain", [*SFT, *extra, "--plain"])
-        run("sft.py", root / case / "one", [*SFT, *extra, *SAVING])
+        run_side_by_side(("sft.py", root / case / "plain", [*SFT, *extra, "--plain"]),
+                         ("sft.py", root / case / "one", [*SFT, *extra, *SAVING]))
         run("sft.py", root / case / "two", [*SFT, *extra, *SAVING], processes=2)
     # A new job on 2 processes resumes the 2-process run from its first checkpoint.
     run("sft.py", root / "completion" / "resumed",
