@@ -20,6 +20,7 @@ from transformers.models.auto.modeling_auto import (
 import hf_actcomp
 from hf_actcomp import Plan
 from hf_actcomp.debug import DEBUG_FAMILIES, ENCODER_FAMILIES, debug_config, debug_model
+from hf_actcomp.dp.base import ring_allreduce_bytes
 from hf_actcomp.models import check_adapter, get_adapter
 from hf_actcomp.models.check import padded_batch
 from hf_actcomp.models.heads import MASKED_LM, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
@@ -187,6 +188,8 @@ PIPELINE_CASES = {
     "roberta-masked-lm": ("roberta", MASKED_LM, {"hidden_dropout_prob": 0.0}),
     # pixel_values into the first stage; boundaries sized from the patches (models/vision.py)
     "vit-images": ("vit", "image_classification", {}),
+    # relative-position embeddings on both stages: their gradients summed over the stages
+    "deberta-v2-single-label": ("deberta-v2", SEQUENCE_CLASSIFICATION, {"hidden_dropout_prob": 0.0}),
 }
 
 
@@ -211,6 +214,8 @@ def test_two_processes_match_the_unsplit_classifier(tmp_path):
     from safetensors.torch import load_file
 
     run_workers("heads_worker.py", 2, [str(tmp_path)], timeout=300)
+    plain = [int(load_file(tmp_path / f"bert-single-label-rank{rank}.safetensors")["collective_bytes"][0])
+             for rank in range(2)]  # a step's collectives without shared parameters (the loss)
     for case, (family, task, overrides) in PIPELINE_CASES.items():
         reference = debug_model(family, task=task, **overrides)
         batch = case_batch(case, reference)
@@ -223,10 +228,18 @@ def test_two_processes_match_the_unsplit_classifier(tmp_path):
             torch.testing.assert_close(got[rank]["eval_loss"][0], expected.loss.detach(), **CLOSE)
         torch.testing.assert_close(got[1]["logits"], expected.logits.detach(), **CLOSE)
         # A head tied to the input embedding (the masked LM): the last stage's copy owns the
-        # gradient, under the head's name; every parameter's gradient is on exactly one rank.
+        # gradient, under the head's name; every parameter's gradient is on exactly one rank, but
+        # for those every stage holds (DeBERTa's relative-position embeddings): the whole sum on each.
         alias = dict(get_adapter(reference).tied_weights())
+        shared = set(get_adapter(reference).shared_parameters())
         seen = [alias.get(name[5:], name[5:]) for g in got for name in g if name.startswith("grad.")]
-        assert sorted(seen) == sorted(want), f"{case}: every gradient on exactly one rank"
+        assert sorted(n for n in seen if n not in shared) == sorted(n for n in want if n not in shared), case
+        assert all(seen.count(n) == 2 for n in shared), f"{case}: {sorted(shared)} on both ranks"
+        assert bool(shared) == (case == "deberta-v2-single-label")
+        # Their sum over the stages is one all-reduce a step, counted with the step's collectives.
+        shared_bytes = sum(reference.get_parameter(n).numel() * 4 for n in shared)
+        extra = [int(g["collective_bytes"][0]) - plain[rank] for rank, g in enumerate(got)]
+        assert extra == [ring_allreduce_bytes(shared_bytes, 2) if shared else 0] * 2, (case, extra)
         for g in got:
             for name, grad in g.items():
                 if name.startswith("grad."):
@@ -259,18 +272,6 @@ def test_trainer_in_one_process_matches_plain_trainer_for_a_classifier(tmp_path,
     assert not any(k.endswith(("token_loss", "perplexity")) for k in got_eval)  # no per-token means
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), reference.get_parameter(name).detach(), rtol=0, atol=1e-5, msg=name)
-
-
-def test_trainer_with_data_parallel_refuses_a_classifier_before_any_collective():
-    from types import SimpleNamespace
-
-    from hf_actcomp.trainer.backends import Pipelined
-
-    trainer = SimpleNamespace(model=debug_model("gpt2", task=SEQUENCE_CLASSIFICATION))
-    backend = Pipelined(trainer, None, Plan(num_stages=2, data_parallel=2), timeout=5, autocast_dtype=None)
-    with pytest.raises(ValueError, match=r"data_parallel > 1 trains causal LMs so far; GPT2ForSequenceClassification "
-                                         r"is a sequence_classification model\. Use data_parallel=1"):
-        backend.start()
 
 
 def test_compressed_inference_and_lora_take_a_classifier():
@@ -315,7 +316,7 @@ def test_encoders_over_micro_batches_and_their_refusals():
     """BERT and DeBERTa-v2 with segments (token_type_ids) in 2 micro-batches through simulate: the
     unsplit model's loss, logits and gradients (DeBERTa's relative-position embeddings shared by
     the stages); BERT as a decoder, an encoder without an adapter (ModernBERT), DeBERTa-v2's masked
-    LM and DeBERTa-v2 one stage per process are refused by name."""
+    LM are refused by name."""
     import transformers
 
     for family in ("bert", "deberta-v2"):
@@ -334,8 +335,6 @@ def test_encoders_over_micro_batches_and_their_refusals():
         for name, grad in grads(model).items():
             torch.testing.assert_close(grad, want[name], **CLOSE, msg=lambda m, n=name: f"{n}: {m}")
     assert "deberta.encoder.rel_embeddings.weight" in want and want["deberta.encoder.rel_embeddings.weight"].abs().sum() > 0
-    with pytest.raises(ValueError, match="DeBERTa-v2 splits in one process"):
-        hf_actcomp.prepare(model, Plan(num_stages=2))  # before any collective
     with pytest.raises(ValueError, match="DebertaV2ForMaskedLM: hf-actcomp splits DeBERTa-v2's sequence and token"):
         get_adapter(transformers.AutoModelForMaskedLM.from_config(debug_config("deberta-v2")))
 

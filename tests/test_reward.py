@@ -105,3 +105,9 @@ def test_aqsgd_with_replicas_is_refused_before_any_work(tmp_path):
     plan = Plan(num_stages=1, data_parallel=2, forward=Compression("aqsgd", bits=4))
     with pytest.raises(ValueError, match="takes AQ-SGD with data_parallel=1 only so far"):
         reward_run(ActCompRewardTrainer, str(tmp_path), plan=plan)
+
+
+def test_replicas_are_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match=r"ActCompRewardTrainer takes data_parallel=1 only so far \(got "
+                                         r"data_parallel=2\)"):
+        reward_run(ActCompRewardTrainer, str(tmp_path), plan=Plan(num_stages=1, data_parallel=2))

@@ -429,6 +429,10 @@ def two_processes(tmp_path_factory):
         # a sequence classifier: its loss is each call's mean, as the model's own forward
         "classifier": {"plan": {"num_stages": 2}, "family": "llama", "task": "sequence_classification",
                        "evaluate": True},
+        # DeBERTa-v2: the relative-position embeddings on both stages (their gradients summed over
+        # the stages at each accumulation step, counted once in the clip norm, the copies kept equal)
+        "deberta": {"plan": {"num_stages": 2}, "family": "deberta-v2", "task": "sequence_classification",
+                    "evaluate": True, "config": {"hidden_dropout_prob": 0.0}},
         # Trainer's evaluation contract: compute_metrics on what include_for_metrics adds, predict()
         "predict": {"plan": {"num_stages": 2}, "predict": True,
                     "args": {"include_for_metrics": ["inputs", "loss"], "eval_accumulation_steps": 1,
@@ -436,6 +440,11 @@ def two_processes(tmp_path_factory):
     }
     run_workers("trainer_worker.py", 2, [json.dumps({"runs": runs}), str(root)], timeout=600)
     return root
+
+
+# Trainer's two ways with a classifier under DDP: by default it multiplies the classifier's mean by
+# the number of processes (it takes any model with **kwargs to divide by the global item count).
+CLASSIFIER_DDP_ARGS = {"": {}, "_own_tokens": {"average_tokens_across_devices": False}}
 
 
 @pytest.fixture(scope="module")
@@ -448,6 +457,10 @@ def four_processes(tmp_path_factory):
                   "args": {"max_steps": 4}},
         # each replica normalises by its own tokens, as DDP does with this setting
         "own_tokens": {"plan": {"num_stages": 2, "data_parallel": 2}, "args": {"average_tokens_across_devices": False}},
+        # sequence classifiers: each replica's mean, as under DDP (times the replicas by default, as Trainer)
+        **{f"classifier{suffix}": {"plan": {"num_stages": 2, "data_parallel": 2}, "family": "llama",
+                                   "task": "sequence_classification", "evaluate": True, "args": args}
+           for suffix, args in CLASSIFIER_DDP_ARGS.items()},
     }
     run_workers("trainer_worker.py", 4, [json.dumps({"runs": runs}), str(root)], timeout=600)
     return root
@@ -623,6 +636,28 @@ def test_distributed_tokens_per_replica_match_trainer_under_ddp(tmp_path, four_p
         for name, value in _stage_weights(out, 4, 2)[rank].items():
             tied = "transformer.wte.weight" if name == "lm_head.weight" else name  # saved once by the whole model
             torch.testing.assert_close(value, expected[tied], rtol=0, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("suffix", list(CLASSIFIER_DDP_ARGS), ids=["default", "own-tokens"])
+def test_distributed_classifier_with_replicas_matches_trainer_under_ddp(tmp_path, four_processes, suffix):
+    """A Llama sequence classifier on 2 stages x 2 replicas logs the losses and gradient norms of
+    plain Trainer under DDP on 2 processes (the same data shards), ends with its weights and
+    evaluates to its loss; with Trainer's default (`average_tokens_across_devices`) those losses
+    are twice the replicas' mean, as Trainer's own, and the setting changes the run."""
+    args = CLASSIFIER_DDP_ARGS[suffix]
+    reference, ddp = _run(tmp_path, "ddp", 2, {"plain": True, "family": "llama", "task": "sequence_classification",
+                                                "evaluate": True, "args": args})
+    expected = load_file(os.path.join(reference, "weights-rank0.safetensors"))
+    out, results = _results(four_processes, f"classifier{suffix}", 4)
+    _, other = _results(four_processes, "classifier" if suffix else "classifier_own_tokens", 4)
+    assert results[0]["losses"] != pytest.approx(other[0]["losses"], rel=1e-3)  # the setting matters
+    for rank, result in enumerate(results):
+        assert result["losses"] == pytest.approx(ddp[0]["losses"], rel=1e-6)
+        assert [h["grad_norm"] for h in result["logs"]] == pytest.approx([h["grad_norm"] for h in ddp[0]["logs"]],
+                                                                          rel=1e-5)
+        assert result["metrics"]["eval_loss"] == pytest.approx(ddp[0]["metrics"]["eval_loss"], rel=1e-5)
+        for name, value in _stage_weights(out, 4, 2)[rank].items():
+            torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-4, msg=name)
 
 
 def test_distributed_push_to_hub_uploads_once_with_every_stage(two_processes):
@@ -831,22 +866,22 @@ def test_distributed_predict_and_metrics_equal_plain_trainer(tmp_path, two_proce
         assert result["predict"]["bytes"] == sum(8 + 12 * 8 + b["input_ids"].numel() * 8 for b in batches)
 
 
-@pytest.mark.parametrize("run", ["classifier"])
+@pytest.mark.parametrize("run", ["classifier", "deberta"])
 def test_distributed_classifier_matches_plain_trainer(tmp_path, two_processes, run):
-    """A Llama sequence classifier on 2 processes: plain Trainer's logged losses (each call's mean,
-    undivided under accumulation, as Trainer treats a model that ignores `num_items_in_batch`),
-    gradient norms, final weights and evaluation loss. (A ViT under ActCompTrainer on 2 processes:
-    tests/test_scripts.py's run_image_classification against plain Trainer.)"""
-    from trainer_cases import class_collator, classification_rows, image_collator, image_rows
+    """A Llama and a DeBERTa-v2 sequence classifier on 2 processes: plain Trainer's logged losses
+    (each call's mean, undivided under accumulation, as Trainer treats a model that ignores
+    `num_items_in_batch`), gradient norms, final weights and evaluation loss. (A ViT under
+    ActCompTrainer on 2 processes: tests/test_scripts.py's run_image_classification against plain
+    Trainer.)"""
+    from trainer_cases import class_collator, classification_rows
 
-    family, task, rows, collator = (("llama", "sequence_classification", classification_rows, class_collator)
-                                    if run == "classifier" else ("vit", "image_classification", image_rows,
-                                                                 image_collator))
-    reference_model = debug_model(family, seed=0, task=task)
+    family, overrides = ("llama", {}) if run == "classifier" else ("deberta-v2", {"hidden_dropout_prob": 0.0})
+    rows, collator = classification_rows, class_collator
+    reference_model = debug_model(family, seed=0, task="sequence_classification", **overrides)
     reference = Trainer(model=reference_model, args=training_args(str(tmp_path / "reference")),
                         train_dataset=rows(), data_collator=collator)
     reference.train()
-    expected_eval = reference.evaluate(rows(8, seed=1) if run == "vit" else rows(8))["eval_loss"]
+    expected_eval = reference.evaluate(rows(8))["eval_loss"]
     out, results = _results(two_processes, run, 2)
     for rank, result in enumerate(results):
         norms = [h["grad_norm"] for h in result["logs"]]

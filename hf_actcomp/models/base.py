@@ -116,11 +116,17 @@ class ModelAdapter(abc.ABC):
 
     def _context_paths(self) -> list[str]:
         """Modules every stage needs to build its block context (rotary tables; DeBERTa-v2's
-        relative-position embeddings, which have parameters: that family runs in one process).
+        relative-position embeddings, which have parameters: `shared_parameters`).
 
         Registered in every stage so that moving a stage to a device moves their buffers too.
         """
         return []
+
+    def shared_parameters(self) -> list[str]:
+        """Names of the parameters every stage holds (those of `_context_paths`' modules): their
+        gradients are summed over the stages and every copy takes the same update."""
+        return [f"{path}.{name}" for path in self._context_paths()
+                for name, _ in self.model.get_submodule(path).named_parameters()]
 
     def embedding_modules(self) -> list[nn.Module]:
         return [self.model.get_submodule(p) for p in self._embedding_paths()]

@@ -9,11 +9,11 @@ states' length what each layer reads besides the hidden states: the 4-D mask, th
 positions (log buckets) and the relative-position embeddings after their LayerNorm.
 
 Those embeddings (`encoder.rel_embeddings`, `encoder.LayerNorm`) are parameters that every layer
-reads: every stage holds them (`_context_paths`). In one process (`simulate`,
-`compressed_inference`) the stages share the very same tensors, so gradients add up as in the
-model; across processes each stage would hold a copy whose gradients must be summed over the
-stages and whose updates kept equal, which the pipeline does not do yet: `prepare` refuses the
-model (`ACROSS_PROCESSES`).
+reads: every stage holds them (`_context_paths`, `ModelAdapter.shared_parameters`). In one process
+(`simulate`, `compressed_inference`) the stages share the very same tensors, so gradients add up
+as in the model; across processes each stage holds a copy, the pipeline sums their gradients
+over the stages after the backward and counts them once in the clip norm
+(`pipeline/gradsync.py`), so every copy takes the same update and stays equal.
 
 The heads: the sequence classifier's context pooler (the first token, dropout, dense,
 activation), dropout and classifier; the token classifier's dropout and classifier. The masked
@@ -30,17 +30,12 @@ from torch import Tensor, nn
 from .base import ModelAdapter
 from .heads import SEQUENCE_CLASSIFICATION
 
-ACROSS_PROCESSES = ("DeBERTa-v2 splits in one process (simulate, compressed_inference, ActCompTrainer on one "
-                    "process) so far: its relative-position embeddings are read by every layer, and across "
-                    "processes every stage would hold a copy to keep equal, which the pipeline does not do yet.")
-
 
 class DebertaV2Adapter(ModelAdapter):
     """DeBERTa-v2 encoders: sequence and token classifiers."""
 
     model_types = ("deberta-v2",)
     blocks_path = "deberta.encoder.layer"
-    in_one_process_only = ACROSS_PROCESSES
 
     def __init__(self, model: nn.Module) -> None:
         name = type(model).__name__

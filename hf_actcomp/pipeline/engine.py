@@ -21,7 +21,7 @@ from torch import nn
 
 from ..batching import check_batch, count_items, micro_batch_count, split_batch, with_main_input
 from ..boundary import Boundary
-from ..models import get_adapter, unwrap_peft
+from ..models import unwrap_peft
 from ..plan import Plan
 from ..state.weight_shards import StageWeights
 from . import construction as build
@@ -111,7 +111,7 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
         self.tie = stage_tie(self.stage, self.mesh, self.transport, self.traffic["tie"], self.tied_pairs,
                              plan.tie_compression)  # this stage's end of the tied embedding, if any
         self.grads = GradientSync(self.stage, self.mesh, self.group, self.dp_compressor, self.tie,
-                                  self.traffic["collectives"])
+                                  self.traffic["collectives"], shared=adapter.shared_parameters())
         self.outer = None
         if plan.diloco is not None:  # the lighthouse servers this rank started are kept alive here
             self.outer, self._lighthouses = outer_sync(plan, self.grads.trainable(), self.mesh, self.timeout)
@@ -198,10 +198,12 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
         self.runner.post_receives(micro, training=True)
         if self.tie is not None:
             self.tie.share_rows(batch["input_ids"])
+        self.grads.hold_shared()
         with naming_the_step("training", self.counters.steps + 1, self.stage_index):
             total = run_actions(self.runner, self.runner.actions, micro, normaliser)
         if self.tie is not None:
             self.tie.gather_gradient(batch["input_ids"])
+        self.grads.sum_shared_over_stages()
         self.transport.flush()
         self._at_optimizer_step = self._sync if sync is None else sync
         if self._at_optimizer_step:
@@ -303,11 +305,7 @@ def prepare(model: nn.Module | str | os.PathLike, plan: Plan | str, *, device: t
     elif torch_dtype is not None:
         raise ValueError("torch_dtype applies when prepare() loads a checkpoint by name or path; convert an "
                          "in-memory model with model.to(dtype) instead.")
-    base = unwrap_peft(model)
-    one_process_only = getattr(get_adapter(base), "in_one_process_only", None)  # stages sharing parameters
-    if one_process_only:
-        raise ValueError(f"{type(base).__name__} cannot run one stage per process: {one_process_only}")
     if activation_checkpointing:
-        base.activation_checkpointing_enable()
+        unwrap_peft(model).activation_checkpointing_enable()
     return Pipeline(model, plan, device=device, timeout=timeout, autocast_dtype=autocast_dtype,
                     track_error=track_error, compile=compile, compile_kwargs=compile_kwargs)

@@ -3,6 +3,10 @@
 After the micro-batches' backwards have accumulated into `.grad` and the tied embedding's
 gradient rows have reached their owner (`tie.py`):
 
+0. Parameters every stage holds (DeBERTa-v2's relative-position embeddings: `shared`) have their
+   gradients summed over the pipeline's stages (an all-reduce), so that every copy takes the same
+   update and stays equal, as the one tensor of the unsplit model.
+
 1. Replica averaging over the stage's data-parallel group, once per optimizer step
    (`sync=True`), through the plan's hook, over trainable parameters only. It runs after the tie,
    so that a lossy hook compresses the owner's complete gradient, once; the first stage's copy of
@@ -37,18 +41,48 @@ class GradientSync:
         pipeline_group: the pipeline's process group (for the clip norm).
         dp_compressor: the plan's data-parallel hook, or None without replicas.
         tie: this stage's end of the tied embedding, or None.
-        collectives: where bytes of the clip-norm all-reduce are counted.
+        collectives: where bytes of the clip-norm and shared-gradient all-reduces are counted.
+        shared: names of the parameters every stage holds a copy of (`ModelAdapter.shared_parameters`).
     """
 
     def __init__(self, stage: nn.Module, mesh: PipelineMesh, pipeline_group: dist.ProcessGroup,
-                 dp_compressor, tie: TiedEmbedding | None, collectives: TrafficCounter) -> None:
+                 dp_compressor, tie: TiedEmbedding | None, collectives: TrafficCounter,
+                 shared: list[str] | None = None) -> None:
         self.stage = stage
         self.mesh = mesh
         self.pipeline_group = pipeline_group
         self.dp_compressor = dp_compressor
         self.tie = tie
         self.collectives = collectives
+        params = dict(stage.named_parameters())
+        self.shared = ([params[n] for n in sorted(shared or []) if n in params and params[n].requires_grad]
+                       if mesh.num_stages > 1 else [])
+        self._held: list[torch.Tensor | None] = [None] * len(self.shared)
         self.seconds = 0.0
+
+    def hold_shared(self) -> None:
+        """Before a step's backward: set aside what the shared gradients hold already (an earlier
+        step of the same accumulation, summed over the stages then), so that only this step's
+        part is summed and nothing is counted twice."""
+        self._held = [p.grad for p in self.shared]
+        for p in self.shared:
+            p.grad = None
+
+    def sum_shared_over_stages(self) -> None:
+        """After the backward: sum this step's gradients of the parameters every stage holds over
+        the pipeline's stages (each stage's copy saw only its own layers' use of it) and add them
+        to what `hold_shared` set aside: every copy then holds the unsplit model's gradient."""
+        if not self.shared:
+            return
+        start = time.perf_counter()
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.shared])
+        dist.all_reduce(flat, group=self.pipeline_group)
+        self.collectives.add(ring_allreduce_bytes(flat.numel() * flat.element_size(), self.mesh.num_stages))
+        for p, before, total in zip(self.shared, self._held, flat.split([p.numel() for p in self.shared]), strict=True):
+            total = total.view_as(p)
+            p.grad = total.clone() if before is None else before.add_(total)
+        self._held = [None] * len(self.shared)
+        self.seconds += time.perf_counter() - start
 
     def reset_stats(self) -> None:
         self.seconds = 0.0
@@ -85,9 +119,12 @@ class GradientSync:
         if norm_type not in (2.0, float("inf")):
             raise ValueError(f"norm_type={norm_type!r} is not supported; use 2.0 or float('inf').")
         params = [p for _, p in self.trainable() if p.grad is not None]
+        # A parameter every stage holds counts once: on the first stage.
+        shared = {id(p) for p in self.shared} if self.mesh.stage > 0 else set()
+        counted = [p.grad for p in params if id(p) not in shared]
         device = params[0].grad.device if params else torch.device("cpu")
-        local = (torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
-                 if params else torch.zeros((), device=device)).float()
+        local = (torch.nn.utils.get_total_norm(counted, norm_type)
+                 if counted else torch.zeros((), device=device)).float()
         if self.mesh.num_stages > 1:
             start = time.perf_counter()
             if norm_type == 2.0:

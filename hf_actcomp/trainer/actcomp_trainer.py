@@ -327,7 +327,8 @@ class ActCompTrainer(Trainer):
     def eval_item_count(self, inputs: dict[str, Any]) -> int | None:
         """What an evaluation batch's token-loss sum is divided by, as the parent trainer does it
         (None: the batch's own mean). Trainer: its `num_items_in_batch` count of the batch; a
-        classifier's evaluation loss is its own mean (Trainer's `prediction_step` passes no count)."""
+        classifier's evaluation loss is its own mean (it ignores the count Trainer's
+        `prediction_step` passes; under DDP see `evaluation.replicas_loss_scale`)."""
         if task_of(unwrap_peft(self.model)) != CAUSAL_LM:
             return None
         return trainer_item_count(self, inputs)

@@ -18,14 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate.utils.memory import clear_device_cache
-from torch import nn
 from transformers import AutoModelForCausalLM
 
 from .. import hub
 from ..batching import count_items, count_label_tokens
 from ..inference import compressed_inference
 from ..models import unwrap_peft
-from ..models.heads import CAUSAL_LM, takes_item_count, task_of
+from ..models.heads import CAUSAL_LM, takes_item_count
 from ..pipeline import prepare
 from ..pipeline.loading import load_stage_model
 from ..pipeline.mesh import check_world_size
@@ -35,6 +34,7 @@ from ..state.resume import init_distributed
 from .evaluation import (
     in_process_prediction_step,
     pipelined_prediction_step,
+    replicas_loss_scale,
     trainer_item_count,
     without_gathering,
 )
@@ -223,12 +223,6 @@ class Pipelined(Backend):
         return load_stage_model(name, self.plan, torch_dtype=torch_dtype)
 
     def start(self) -> None:
-        model = unwrap_peft(self.trainer.model)  # (a path loads as a causal LM)
-        if isinstance(model, nn.Module) and task_of(model) != CAUSAL_LM and self.plan.data_parallel > 1:
-            raise ValueError(  # before any collective
-                f"ActCompTrainer with data_parallel > 1 trains causal LMs so far; {type(model).__name__} is a "
-                f"{task_of(model)} model. Use data_parallel=1 (one pipeline), or hf_actcomp.prepare() and "
-                "Pipeline.train_step in your own loop.")
         init_distributed(self.timeout)  # a DiLoCo replica of one process: Accelerate leaves it down
         self.runner = prepare(self.trainer.model, self.plan, timeout=self.timeout, autocast_dtype=self.autocast_dtype,
                               **self.compiling())
@@ -289,8 +283,13 @@ class Pipelined(Backend):
         if labels is not None and not takes_item_count(self.pipe.task, self.pipe.config, labels):
             # A classifier's own forward takes its call's mean and ignores the count Trainer passes,
             # so Trainer divides by the accumulation steps only where it passes none: the same here.
+            # Under DDP it may also multiply that mean by the replicas (`replicas_loss_scale`); the
+            # pipeline shares a given count out over the replicas, so dividing the count by that
+            # factor multiplies each replica's mean by it.
             count = count_items(self.pipe.task, self.pipe.config, inputs["labels"])
-            num_items_in_batch, scaled = (count if scaled else count * steps), True
+            times = replicas_loss_scale(trainer, self.pipe, inputs)
+            num_items_in_batch = count * (1 if scaled else steps) * self.num_replicas // times
+            scaled = True
         elif not scaled and steps > 1 and labels is not None:
             # Where Trainer lets the model take each batch's own mean (no loss kwargs), it divides
             # that mean by the accumulation steps before the backward: the same, as a normaliser.

@@ -31,6 +31,7 @@ from accelerate.utils import recursively_apply
 from transformers.trainer_pt_utils import nested_detach
 
 from ..batching import count_label_tokens
+from ..models.heads import CAUSAL_LM
 
 
 def trainer_item_count(trainer, inputs: dict[str, Any]) -> int | None:
@@ -115,6 +116,16 @@ def in_process_prediction_step(trainer, base, model, inputs, prediction_loss_onl
     return loss, logits, labels
 
 
+def replicas_loss_scale(trainer, pipe, inputs: dict[str, Any]) -> int:
+    """What Trainer under DDP multiplies a classifier's batch mean by in evaluation, as in
+    training: the number of processes (here: replicas) where it averages tokens across devices
+    and passes the model a count, taking any model with **kwargs to divide by the global count."""
+    if pipe.num_replicas == 1 or pipe.task == CAUSAL_LM or inputs.get("labels") is None:
+        return 1
+    passes_count = trainer.model_accepts_loss_kwargs or trainer.compute_loss_func
+    return pipe.num_replicas if trainer.args.average_tokens_across_devices and passes_count else 1
+
+
 def pipelined_prediction_step(trainer, pipe, inputs, prediction_loss_only: bool, preprocess):
     """Loss, predictions and labels of one batch from this rank's stage: the loss and the
     (preprocessed, on the last stage) logits on every rank of the pipeline."""
@@ -126,8 +137,10 @@ def pipelined_prediction_step(trainer, pipe, inputs, prediction_loss_only: bool,
     out = pipe.eval_step(batch, compress=True, num_items_in_batch=count, keep_logits=not prediction_loss_only)
     loss = out.loss
     if loss is not None:
-        loss = loss.detach().to(trainer.args.device)
-        plain = pipe.eval_step(batch, compress=False, num_items_in_batch=count).loss if trainer.eval_plain_loss else None
+        scale = replicas_loss_scale(trainer, pipe, inputs)
+        loss = loss.detach().to(trainer.args.device) * scale
+        plain = (pipe.eval_step(batch, compress=False, num_items_in_batch=count).loss * scale
+                 if trainer.eval_plain_loss else None)
         trainer.eval_extras.add(loss, plain, count, batch["labels"])
     if prediction_loss_only:
         return loss, None, None

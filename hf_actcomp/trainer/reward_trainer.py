@@ -114,6 +114,10 @@ class ActCompRewardTrainer(PreferenceStages, ActCompTrainer, RewardTrainer):
                  **kwargs: Any) -> None:
         if isinstance(plan, Plan) and plan.uses_aqsgd and plan.data_parallel > 1:
             raise ValueError(f"ActCompRewardTrainer {AQSGD_WITH_REPLICAS}")
+        if isinstance(plan, Plan) and plan.data_parallel > 1:
+            raise ValueError(f"ActCompRewardTrainer takes data_parallel=1 only so far (got data_parallel="
+                             f"{plan.data_parallel}): its pairwise loss over replicas is not yet checked against "
+                             "RewardTrainer under DDP. Use one pipeline (data_parallel=1).")
         if isinstance(model, str):  # as RewardTrainer loads a name: one label, the score's head
             init = dict(getattr(args, "model_init_kwargs", None) or {})
             if torch_dtype is not None:

@@ -2,12 +2,14 @@
 
 Per case (a family's sequence or token classifier): one `train_step` and one
 `eval_step(keep_logits=True)` of a 4-row batch in 2 micro-batches; every rank saves its stage's
-gradients, the losses and (the last stage) the logits.
+gradients, the losses, the bytes its train step counted under `collectives` and (the last
+stage) the logits.
 """
 
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
@@ -26,10 +28,14 @@ def main(out_dir: str) -> None:
         model = debug_model(family, task=task, **overrides)
         batch = case_batch(case, model)
         pipe = hf_actcomp.prepare(model, Plan(num_stages=2, micro_batches=2), timeout=60)
+        collectives = pipe.traffic["collectives"]
+        before = collectives.bytes_sent
         loss = pipe.train_step(batch).loss
+        step_collectives = collectives.bytes_sent - before
         out = pipe.eval_step(batch, keep_logits=True)
         tensors = {f"grad.{n}": p.grad for n, p in pipe.stage.named_parameters() if p.grad is not None}
         tensors["loss"] = loss.reshape(1)
+        tensors["collective_bytes"] = torch.tensor([step_collectives])
         tensors["eval_loss"] = out.loss.reshape(1)
         if out.logits is not None:
             tensors["logits"] = out.logits

@@ -8,7 +8,7 @@ and preprocess_logits_for_metrics from trainer_cases; after training, predict() 
 (trainer_cases.extending_trainer instead of ActCompTrainer), "model_mean" (a model that takes no loss kwargs), "double_loss" (model.loss_function doubled), "plain" (transformers.Trainer on the whole model instead, DDP over
 the processes), "push" (Trainer.push_to_hub at the end, with the Hub's two calls recorded per rank), "task"
 (debug_model's task: a classifier trains on trainer_cases.classification_rows, an image classifier
-on image_rows)}. Each rank writes its logged losses
+on image_rows), "config" (debug_model's config overrides)}. Each rank writes its logged losses
 (`losses-rank{r}.json`) and its stage's parameters (`weights-rank{r}.safetensors`).
 """
 
@@ -84,6 +84,7 @@ def main(spec: dict, out_dir: str) -> None:
         record_uploads(out_dir)
     tokenizer = sample_tokenizer() if spec.get("samples") else None
     overrides = {"vocab_size": len(tokenizer)} if tokenizer is not None else {}
+    overrides.update(spec.get("config", {}))  # debug_model's config overrides
     task = spec.get("task", "causal_lm")  # a classifier trains on classification_rows
     model = spec.get("model_path") or debug_model(spec.get("family", "gpt2"), seed=0, task=task, **overrides).to(
         getattr(torch, spec.get("dtype", "float32")))
@@ -104,7 +105,7 @@ def main(spec: dict, out_dir: str) -> None:
     metrics_kwargs = {"compute_metrics": token_metrics, "preprocess_logits_for_metrics": argmax_logits} \
         if spec.get("predict") else {}
     if spec.get("plain"):  # transformers.Trainer on the whole model, DDP over the processes: a reference
-        trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collator)
+        trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation, data_collator=collator)
     else:
         trainer_class = extending_trainer() if spec.get("subclass") else hf_actcomp.ActCompTrainer
         trainer = trainer_class(model=model, args=args, plan=plan, train_dataset=train, eval_dataset=evaluation,
