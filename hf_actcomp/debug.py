@@ -30,7 +30,7 @@ DEBUG_FAMILIES = (
     "mixtral",
 )
 # Encoders: no causal LM; `debug_model(family, task=...)` builds their classifiers and masked LM.
-ENCODER_FAMILIES = ("bert", "roberta", "deberta-v2")
+ENCODER_FAMILIES = ("bert", "roberta", "deberta-v2", "modernbert")
 # Image models: `debug_model(family, task="image_classification")`, 8 x 8 one-channel images (2 x 2 patches).
 IMAGE_FAMILIES = ("vit",)
 
@@ -114,6 +114,11 @@ _FAMILY_KWARGS: dict[str, dict[str, Any]] = {
     "deberta-v2": dict(_ENCODER, pad_token_id=0, type_vocab_size=2, relative_attention=True, position_buckets=16,
                        max_relative_positions=32, pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm",
                        share_att_key=True, position_biased_input=False, conv_kernel_size=3),
+    # Global and local (4-token window) layers alternating, rotary positions, mean pooling (which
+    # reads the padding mask on the last stage), tied masked-LM decoder.
+    "modernbert": dict(_SIZES, intermediate_size=2 * _HIDDEN, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                       cls_token_id=1, sep_token_id=2, global_attn_every_n_layers=2, local_attention=4,
+                       classifier_pooling="mean"),
     "vit": dict(image_size=8, patch_size=2, num_channels=1, hidden_size=_HIDDEN, num_hidden_layers=_LAYERS,
                 num_attention_heads=_HEADS, intermediate_size=2 * _HIDDEN),
 }

@@ -190,6 +190,9 @@ PIPELINE_CASES = {
     "vit-images": ("vit", "image_classification", {}),
     # relative-position embeddings on both stages: their gradients summed over the stages
     "deberta-v2-single-label": ("deberta-v2", SEQUENCE_CLASSIFICATION, {"hidden_dropout_prob": 0.0}),
+    # mean pooling over the unpadded tokens: the padding mask reaches the last stage; a tied decoder
+    "modernbert-mean-pooling": ("modernbert", SEQUENCE_CLASSIFICATION, {}),
+    "modernbert-masked-lm": ("modernbert", MASKED_LM, {}),
 }
 
 
@@ -248,7 +251,7 @@ def test_two_processes_match_the_unsplit_classifier(tmp_path):
 
 
 @pytest.mark.parametrize("family, overrides", [("llama", {}), ("bert", {"hidden_dropout_prob": 0.0}),
-                                               ("deberta-v2", {"hidden_dropout_prob": 0.0})])
+                                               ("deberta-v2", {"hidden_dropout_prob": 0.0}), ("modernbert", {})])
 def test_trainer_in_one_process_matches_plain_trainer_for_a_classifier(tmp_path, family, overrides):
     """ActCompTrainer in one process (the stages through simulate) on a sequence classifier:
     the same logged losses, gradient norms, final weights and evaluation as plain Trainer."""
@@ -298,32 +301,35 @@ def test_compressed_inference_and_lora_take_a_classifier():
     payload = build_inference_codec(plan.forward_at(0)).payload_nbytes(shape, torch.float32)
     assert ratio == pytest.approx(4 * batch["input_ids"].numel() * model.config.hidden_size / payload)
 
-    def lora():
-        torch.manual_seed(0)
-        config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS")
-        return get_peft_model(debug_model("llama", task=SEQUENCE_CLASSIFICATION), config)
+    # The head PEFT trains in full (`modules_to_save`): the decoders' `score`, ModernBERT's `classifier`.
+    for family, targets, head in (("llama", ["q_proj", "v_proj"], "score"), ("modernbert", ["Wqkv"], "classifier")):
+        def lora(family=family, targets=targets):
+            torch.manual_seed(0)
+            config = LoraConfig(r=4, target_modules=targets, task_type="SEQ_CLS")
+            return get_peft_model(debug_model(family, task=SEQUENCE_CLASSIFICATION), config)
 
-    ours, reference = lora(), lora()
-    reference(**batch).loss.backward()
-    hf_actcomp.simulate(ours, Plan(num_stages=2, micro_batches=2))(**batch).loss.backward()
-    want = grads(reference)
-    assert set(grads(ours)) == set(want) and any("score" in n for n in want) and any("lora_A" in n for n in want)
-    for name, grad in grads(ours).items():
-        torch.testing.assert_close(grad, want[name], **CLOSE, msg=lambda m, n=name: f"{n}: {m}")
+        ours, reference = lora(), lora()
+        reference(**batch).loss.backward()
+        hf_actcomp.simulate(ours, Plan(num_stages=2, micro_batches=2))(**batch).loss.backward()
+        want = grads(reference)
+        assert set(grads(ours)) == set(want) and any(head in n for n in want) and any("lora_A" in n for n in want)
+        for name, grad in grads(ours).items():
+            torch.testing.assert_close(grad, want[name], **CLOSE, msg=lambda m, n=name, f=family: f"{f} {n}: {m}")
 
 
 def test_encoders_over_micro_batches_and_their_refusals():
     """BERT and DeBERTa-v2 with segments (token_type_ids) in 2 micro-batches through simulate: the
     unsplit model's loss, logits and gradients (DeBERTa's relative-position embeddings shared by
-    the stages); BERT as a decoder, an encoder without an adapter (ModernBERT), DeBERTa-v2's masked
-    LM are refused by name."""
+    the stages; ModernBERT's mean pooling over each micro-batch's padding mask); BERT as a decoder,
+    an encoder without an adapter (ELECTRA), DeBERTa-v2's masked LM and ModernBERT's sparse
+    prediction are refused by name."""
     import transformers
 
-    for family in ("bert", "deberta-v2"):
+    for family in ("bert", "deberta-v2", "modernbert"):
         model = debug_model(family, task=SEQUENCE_CLASSIFICATION, hidden_dropout_prob=0.0)
         reference = copy.deepcopy(model)
         batch = classifier_batch(model, "right", rows=4, labels=torch.tensor([0, 2, 1, 1]))
-        assert batch["token_type_ids"].sum() > 0
+        assert family == "modernbert" or batch["token_type_ids"].sum() > 0
         expected = reference(**batch)
         expected.loss.backward()
         out = hf_actcomp.simulate(model, Plan(num_stages=2, micro_batches=2))(**batch)
@@ -331,21 +337,27 @@ def test_encoders_over_micro_batches_and_their_refusals():
         torch.testing.assert_close(out.logits, expected.logits, **CLOSE)
         want = grads(reference)
         prefix = model.base_model_prefix
-        assert set(grads(model)) == set(want) and f"{prefix}.embeddings.token_type_embeddings.weight" in want
+        assert set(grads(model)) == set(want)
+        if family != "modernbert":  # ModernBERT has no segments (test_heads' batch gives it none)
+            assert f"{prefix}.embeddings.token_type_embeddings.weight" in want
         for name, grad in grads(model).items():
             torch.testing.assert_close(grad, want[name], **CLOSE, msg=lambda m, n=name: f"{n}: {m}")
-    assert "deberta.encoder.rel_embeddings.weight" in want and want["deberta.encoder.rel_embeddings.weight"].abs().sum() > 0
+        if family == "deberta-v2":
+            rel = want.get("deberta.encoder.rel_embeddings.weight")
+            assert rel is not None and rel.abs().sum() > 0
     with pytest.raises(ValueError, match="DebertaV2ForMaskedLM: hf-actcomp splits DeBERTa-v2's sequence and token"):
         get_adapter(transformers.AutoModelForMaskedLM.from_config(debug_config("deberta-v2")))
 
     decoder = transformers.BertLMHeadModel(debug_config("bert", is_decoder=True))
     with pytest.raises(ValueError, match=r"BertLMHeadModel: bert as a decoder .* is not supported"):
         get_adapter(decoder)
-    modernbert = transformers.AutoModelForSequenceClassification.from_config(transformers.ModernBertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2))
-    with pytest.raises(ValueError, match=r"Model type 'modernbert' is not supported\. Supported model types: bert, "):
-        get_adapter(modernbert)
+    electra = transformers.AutoModelForSequenceClassification.from_config(transformers.ElectraConfig(
+        vocab_size=64, embedding_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64))
+    with pytest.raises(ValueError, match=r"Model type 'electra' is not supported\. Supported model types: bert, "):
+        get_adapter(electra)
+    with pytest.raises(ValueError, match=r"ModernBertForMaskedLM: config.sparse_prediction=True .* is not supported"):
+        get_adapter(debug_model("modernbert", task=MASKED_LM, sparse_prediction=True))
     with pytest.raises(ValueError, match=r"task='causal_lm' with the bert family: encoders"):
         debug_model("bert")
     llama = debug_model("llama", task=SEQUENCE_CLASSIFICATION)

@@ -180,10 +180,12 @@ class ModelAdapter(abc.ABC):
     def head(self, hidden: Tensor) -> Tensor:
         """Logits from the last block's output."""
 
-    def task_head(self, hidden: Tensor, input_ids: Tensor | None = None) -> Tensor:
+    def task_head(self, hidden: Tensor, input_ids: Tensor | None = None,
+                  attention_mask: Tensor | None = None) -> Tensor:
         """The model's logits from the last block's output, for its task: the causal LM's `head`;
         a classifier's head after `final_norm` (a sequence classifier's pooled at each row's last
-        non-pad token of `input_ids`)."""
+        non-pad token of `input_ids`). `attention_mask`: the 2-D padding mask, for a family that
+        pools over the unpadded tokens (ModernBERT's mean pooling)."""
         if self.task == CAUSAL_LM:
             return self.head(hidden)
         hidden = self.final_norm(hidden)
@@ -330,7 +332,7 @@ class StageModule(nn.Module):
                 hidden = adapter.run_block(index, hidden, context)
         if not self.last:
             return hidden
-        return adapter.task_head(hidden, x if self.first and input_ids is None else input_ids)
+        return adapter.task_head(hidden, x if self.first and input_ids is None else input_ids, attention_mask)
 
     def extra_repr(self) -> str:
         return f"blocks=[{self.start}, {self.stop}), first={self.first}, last={self.last}"

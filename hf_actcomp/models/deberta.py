@@ -74,7 +74,8 @@ class DebertaV2Adapter(ModelAdapter):
         names = [name for name, _ in self.model.named_children() if name != "deberta"]
         return names  # pooler, classifier, dropout (sequence) or dropout, classifier (tokens)
 
-    def task_head(self, hidden: Tensor, input_ids: Tensor | None = None) -> Tensor:
+    def task_head(self, hidden: Tensor, input_ids: Tensor | None = None,
+                  attention_mask: Tensor | None = None) -> Tensor:
         """As the task's forward: pooler, dropout, classifier; or dropout, classifier per token."""
         model = self.model
         if self.task == SEQUENCE_CLASSIFICATION:

@@ -58,7 +58,8 @@ class EncoderAdapter(ModelAdapter):
         pooler = [f"{self.prefix}.pooler"] if getattr(base, "pooler", None) is not None else []
         return pooler + [name for name, _ in self.model.named_children() if name != self.prefix]
 
-    def task_head(self, hidden: Tensor, input_ids: Tensor | None = None) -> Tensor:
+    def task_head(self, hidden: Tensor, input_ids: Tensor | None = None,
+                  attention_mask: Tensor | None = None) -> Tensor:
         for path in self.head_paths():
             hidden = self.model.get_submodule(path)(hidden)
         return hidden

@@ -14,6 +14,7 @@ from .deberta import DebertaV2Adapter
 from .decoder import DecoderAdapter, has_standard_layout
 from .encoder import EncoderAdapter
 from .gpt2 import GPT2Adapter
+from .modernbert import ModernBertAdapter
 from .opt import OPTAdapter
 from .vision import ViTAdapter
 
@@ -94,6 +95,7 @@ def get_adapter(model: PreTrainedModel) -> ModelAdapter:
     return cls(model)
 
 
-for _cls in (GPT2Adapter, OPTAdapter, DecoderAdapter, EncoderAdapter, DebertaV2Adapter, ViTAdapter):
+for _cls in (GPT2Adapter, OPTAdapter, DecoderAdapter, EncoderAdapter, DebertaV2Adapter, ModernBertAdapter,
+             ViTAdapter):
     register_adapter(_cls)
 del _cls

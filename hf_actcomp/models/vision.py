@@ -51,7 +51,8 @@ class ViTAdapter(ModelAdapter):
     def head_paths(self) -> list[str]:
         return ["vit.layernorm", "classifier"]
 
-    def task_head(self, hidden: Tensor, input_ids: Tensor | None = None) -> Tensor:
+    def task_head(self, hidden: Tensor, input_ids: Tensor | None = None,
+                  attention_mask: Tensor | None = None) -> Tensor:
         """The classifier on the [CLS] token after the final LayerNorm."""
         return self.model.get_submodule("classifier")(self.final_norm(hidden)[:, 0, :])
 
