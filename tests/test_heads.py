@@ -67,8 +67,7 @@ def grads(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("family, task", [(f, SEQUENCE_CLASSIFICATION) for f in DEBUG_FAMILIES]
                          + [(f, TOKEN_CLASSIFICATION) for f in TOKEN_FAMILIES]
                          + [(f, t) for f in ENCODER_FAMILIES
-                            for t in (SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, MASKED_LM)
-                            if (f, t) != ("deberta-v2", MASKED_LM)])
+                            for t in (SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, MASKED_LM)])
 def test_chained_stages_match_the_unsplit_classifier(family, task, ranges, padding):
     model = debug_model(family, task=task)
     assert get_adapter(model).task == task
@@ -190,6 +189,8 @@ PIPELINE_CASES = {
     "vit-images": ("vit", "image_classification", {}),
     # relative-position embeddings on both stages: their gradients summed over the stages
     "deberta-v2-single-label": ("deberta-v2", SEQUENCE_CLASSIFICATION, {"hidden_dropout_prob": 0.0}),
+    # both at once: the shared embeddings summed over the stages and the decoder tied to the first stage
+    "deberta-v2-masked-lm": ("deberta-v2", MASKED_LM, {"hidden_dropout_prob": 0.0}),
     # mean pooling over the unpadded tokens: the padding mask reaches the last stage; a tied decoder
     "modernbert-mean-pooling": ("modernbert", SEQUENCE_CLASSIFICATION, {}),
     "modernbert-masked-lm": ("modernbert", MASKED_LM, {}),
@@ -238,7 +239,7 @@ def test_two_processes_match_the_unsplit_classifier(tmp_path):
         seen = [alias.get(name[5:], name[5:]) for g in got for name in g if name.startswith("grad.")]
         assert sorted(n for n in seen if n not in shared) == sorted(n for n in want if n not in shared), case
         assert all(seen.count(n) == 2 for n in shared), f"{case}: {sorted(shared)} on both ranks"
-        assert bool(shared) == (case == "deberta-v2-single-label")
+        assert bool(shared) == case.startswith("deberta-v2")
         # Their sum over the stages is one all-reduce a step, counted with the step's collectives.
         shared_bytes = sum(reference.get_parameter(n).numel() * 4 for n in shared)
         extra = [int(g["collective_bytes"][0]) - plain[rank] for rank, g in enumerate(got)]
@@ -321,8 +322,8 @@ def test_encoders_over_micro_batches_and_their_refusals():
     """BERT and DeBERTa-v2 with segments (token_type_ids) in 2 micro-batches through simulate: the
     unsplit model's loss, logits and gradients (DeBERTa's relative-position embeddings shared by
     the stages; ModernBERT's mean pooling over each micro-batch's padding mask); BERT as a decoder,
-    an encoder without an adapter (ELECTRA), DeBERTa-v2's masked LM and ModernBERT's sparse
-    prediction are refused by name."""
+    an encoder without an adapter (ELECTRA), DeBERTa-v2's non-legacy masked-LM head and ModernBERT's
+    sparse prediction are refused by name."""
     import transformers
 
     for family in ("bert", "deberta-v2", "modernbert"):
@@ -345,8 +346,8 @@ def test_encoders_over_micro_batches_and_their_refusals():
         if family == "deberta-v2":
             rel = want.get("deberta.encoder.rel_embeddings.weight")
             assert rel is not None and rel.abs().sum() > 0
-    with pytest.raises(ValueError, match="DebertaV2ForMaskedLM: hf-actcomp splits DeBERTa-v2's sequence and token"):
-        get_adapter(transformers.AutoModelForMaskedLM.from_config(debug_config("deberta-v2")))
+    with pytest.raises(ValueError, match=r"DebertaV2ForMaskedLM: config.legacy=False \(a masked-LM head that reads"):
+        get_adapter(transformers.AutoModelForMaskedLM.from_config(debug_config("deberta-v2", legacy=False)))
 
     decoder = transformers.BertLMHeadModel(debug_config("bert", is_decoder=True))
     with pytest.raises(ValueError, match=r"BertLMHeadModel: bert as a decoder .* is not supported"):

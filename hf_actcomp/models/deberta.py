@@ -1,5 +1,5 @@
 """DeBERTa-v2 (and v3, the same class) encoders split into stages, with their sequence and token
-classifiers.
+classifiers and masked LM.
 
 Mirrors `DebertaV2Model.forward` / `DebertaV2Encoder.forward` (transformers 5.x), without
 `z_steps` (refused): the embeddings (word, optional absolute positions and segments, LayerNorm,
@@ -16,8 +16,10 @@ over the stages after the backward and counts them once in the clip norm
 (`pipeline/gradsync.py`), so every copy takes the same update and stays equal.
 
 The heads: the sequence classifier's context pooler (the first token, dropout, dense,
-activation), dropout and classifier; the token classifier's dropout and classifier. The masked
-LM (whose head reads the word embeddings at call time) is refused.
+activation), dropout and classifier; the token classifier's dropout and classifier; the masked
+LM's `cls` head (transform, then the decoder tied to the word embeddings: the pipeline's tie
+exchange keeps the copies equal). The head of `config.legacy=False`, which reads the word
+embeddings at call time instead, is refused.
 """
 
 from __future__ import annotations
@@ -28,20 +30,21 @@ import torch
 from torch import Tensor, nn
 
 from .base import ModelAdapter
-from .heads import SEQUENCE_CLASSIFICATION
+from .heads import MASKED_LM, SEQUENCE_CLASSIFICATION
 
 
 class DebertaV2Adapter(ModelAdapter):
-    """DeBERTa-v2 encoders: sequence and token classifiers."""
+    """DeBERTa-v2 encoders: sequence and token classifiers, masked LM."""
 
     model_types = ("deberta-v2",)
     blocks_path = "deberta.encoder.layer"
 
     def __init__(self, model: nn.Module) -> None:
         name = type(model).__name__
-        if name.endswith("ForMaskedLM"):
-            raise ValueError(f"{name}: hf-actcomp splits DeBERTa-v2's sequence and token classifiers; its masked-LM "
-                             "head (which reads the word embeddings at call time) is not supported yet.")
+        if name.endswith("ForMaskedLM") and not getattr(model.config, "legacy", True):
+            raise ValueError(f"{name}: config.legacy=False (a masked-LM head that reads the word embeddings at call "
+                             "time) is not supported; the default head (legacy=True, `cls`, its decoder tied to "
+                             "the word embeddings) is.")
         if getattr(model.config, "z_steps", 0) > 1:
             raise ValueError(f"{name}: config.z_steps={model.config.z_steps} (layers re-applied at the end) is not "
                              "supported; it must be 0 or 1.")
@@ -76,8 +79,10 @@ class DebertaV2Adapter(ModelAdapter):
 
     def task_head(self, hidden: Tensor, input_ids: Tensor | None = None,
                   attention_mask: Tensor | None = None) -> Tensor:
-        """As the task's forward: pooler, dropout, classifier; or dropout, classifier per token."""
+        """As the task's forward: pooler, dropout, classifier; dropout, classifier per token; or the MLM head."""
         model = self.model
+        if self.task == MASKED_LM:
+            return model.cls(hidden)
         if self.task == SEQUENCE_CLASSIFICATION:
             hidden = model.pooler(hidden)
         return model.classifier(model.dropout(hidden))
