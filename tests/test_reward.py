@@ -107,7 +107,20 @@ def test_aqsgd_with_replicas_is_refused_before_any_work(tmp_path):
         reward_run(ActCompRewardTrainer, str(tmp_path), plan=plan)
 
 
-def test_replicas_are_refused_before_any_work(tmp_path):
-    with pytest.raises(ValueError, match=r"ActCompRewardTrainer takes data_parallel=1 only so far \(got "
-                                         r"data_parallel=2\)"):
-        reward_run(ActCompRewardTrainer, str(tmp_path), plan=Plan(num_stages=1, data_parallel=2))
+def test_replicas_match_reward_trainer_under_ddp(tmp_path):
+    """2 stages x 2 replicas on 4 processes against TRL's RewardTrainer under DDP on 2 (the same
+    shards): every rank logs its losses, gradient norms, rewards, accuracies, margins and token
+    counts (gathered over the replicas as RewardTrainer gathers them over the processes) and
+    evaluates to its metrics (each replica evaluates the 8 pairs as DDP's one global batch)."""
+    config = {"per_device_eval_batch_size": 4}
+    run_workers("preference_worker.py", 2, [json.dumps({"runs": {"ddp": {"trainer": "reward_ddp", "config": config,
+                                                                         "eval_pairs": 8}}}), str(tmp_path)],
+                timeout=300)
+    plan = Plan(num_stages=2, data_parallel=2, micro_batches=2)
+    run_workers("preference_worker.py", 4, [json.dumps({"runs": {"ours": {"plan": plan.to_dict(), "config": config,
+                                                                          "eval_pairs": 8}}}), str(tmp_path)],
+                timeout=300)
+    ddp = json.loads((tmp_path / "ddp-rank0.json").read_text())
+    assert {"accuracy", "margin", "min_reward", "max_reward", "num_tokens", "grad_norm"} <= set(ddp["logs"][0])
+    for rank in range(4):
+        assert_same_logs(json.loads((tmp_path / f"ours-rank{rank}.json").read_text()), ddp, what=f"rank {rank}")

@@ -177,12 +177,12 @@ def reward_config(output_dir: str, **overrides):
 
 
 def reward_run(trainer_cls, output_dir: str, config: dict | None = None, resume: str | None = None,
-               **kwargs) -> dict:
+               eval_pairs: int = 6, **kwargs) -> dict:
     """Train `trainer_cls` (RewardTrainer or ActCompRewardTrainer, with `kwargs` such as plan=) on
-    preference_rows for 4 steps (from the checkpoint `resume`, if given), then evaluate on 6 pairs:
-    the logged training entries and the evaluation's metrics."""
+    preference_rows for 4 steps (from the checkpoint `resume`, if given), then evaluate on
+    `eval_pairs` pairs: the logged training entries and the evaluation's metrics."""
     trainer = trainer_cls(model=reward_model(), args=reward_config(output_dir, **(config or {})),
-                          train_dataset=preference_rows(), eval_dataset=preference_rows(6, seed=1),
+                          train_dataset=preference_rows(), eval_dataset=preference_rows(eval_pairs, seed=1),
                           processing_class=sample_tokenizer(), **kwargs)
     trainer.train(resume_from_checkpoint=resume)
     return trainer_results(trainer)

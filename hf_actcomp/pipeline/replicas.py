@@ -75,6 +75,18 @@ class StepCollectives:
         self._all_reduce(total)
         return int(total.item())
 
+    def gather_over_replicas(self, t: torch.Tensor) -> torch.Tensor:
+        """Every replica's `t` (the same shape on each), concatenated in replica order along dim 0.
+        Collective over the data-parallel group; a ring all-gather sends D - 1 times its bytes."""
+        if self.dp_group is None:
+            return t
+        start = time.perf_counter()
+        parts = [torch.empty_like(t) for _ in range(self.mesh.num_replicas)]
+        dist.all_gather(parts, t.contiguous(), group=self.dp_group)
+        self.counter.add((self.mesh.num_replicas - 1) * t.numel() * t.element_size())
+        self.clock.seconds_collectives += time.perf_counter() - start
+        return torch.cat(parts)
+
     def _all_reduce(self, t: torch.Tensor) -> None:
         """A small collective over the replicas (token counts, losses), timed and counted."""
         start = time.perf_counter()
@@ -153,6 +165,11 @@ class ReplicasMixin:
         """The sum of `count` over this stage's replicas (e.g. label tokens of an optimizer step,
         for `num_items_in_batch`). Collective over the data-parallel group."""
         return self.collectives.count_over_replicas(count)
+
+    def gather_over_replicas(self, t: torch.Tensor) -> torch.Tensor:
+        """Every replica's `t` (e.g. the rewards of a step's pairs, for metrics over the global
+        batch), concatenated in replica order. Collective over the data-parallel group."""
+        return self.collectives.gather_over_replicas(t)
 
     def shard_dataset(self, dataset):
         """This replica's shard of a `datasets.Dataset`: contiguous, and of the SAME length on every

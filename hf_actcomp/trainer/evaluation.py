@@ -122,6 +122,8 @@ def replicas_loss_scale(trainer, pipe, inputs: dict[str, Any]) -> int:
     and passes the model a count, taking any model with **kwargs to divide by the global count."""
     if pipe.num_replicas == 1 or pipe.task == CAUSAL_LM or inputs.get("labels") is None:
         return 1
+    if getattr(trainer, "_labels_made_for_the_stages", False):  # Trainer saw no labels: no count passed
+        return 1
     passes_count = trainer.model_accepts_loss_kwargs or trainer.compute_loss_func
     return pipe.num_replicas if trainer.args.average_tokens_across_devices and passes_count else 1
 

@@ -80,8 +80,8 @@ class PreferenceStages:
         return None
 
     def _count_tokens(self, inputs: dict[str, torch.Tensor], mode: str) -> None:
-        """TRL's `num_tokens`, without its gather over processes (the stages of one pipeline read
-        the same batch): this batch's tokens over the replicas."""
+        """TRL's `num_tokens`, summed over the replicas instead of over every process (the stages
+        of one pipeline read the same batch)."""
         if mode == "train":
-            self._total_train_tokens += int(inputs["attention_mask"].sum()) * self._backend.num_replicas
+            self._total_train_tokens += self.pipe.count_over_replicas(int(inputs["attention_mask"].sum()))
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]

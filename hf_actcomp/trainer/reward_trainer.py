@@ -14,6 +14,11 @@ minimises `-log sigmoid(r_chosen - r_rejected - margin)`, averaged over the pair
   the step for RewardTrainer's metrics (`min/mean/max_reward`, `accuracy`, `margin`, counted under
   `predictions`). So the per-device batch (in pairs) must split evenly into `plan.micro_batches`.
 
+- Data-parallel replicas: each replica's loss is its pairs' mean and the replicas' gradients are
+  averaged, as under DDP (RewardTrainer's batch has no `labels`: Trainer passes no count and never
+  multiplies the loss by the processes); the training metrics are over the rewards gathered from
+  every replica, and each replica evaluates in batches of the global evaluation batch.
+
 AQ-SGD keys each row of a pair (`preference.py`). Not yet: AQ-SGD with data-parallel replicas
 (refused); a model given by name with several processes loads whole on each rank before the split.
 """
@@ -109,15 +114,14 @@ class ActCompRewardTrainer(PreferenceStages, ActCompTrainer, RewardTrainer):
 
     _tag_names = ["trl", "reward-trainer", "hf-actcomp"]
     _keeps_outputs = True  # RewardTrainer's evaluation returns every row's reward
+    # The stages' `labels` are the pair margins made here: RewardTrainer's batch has none, so Trainer
+    # passes no item count and under DDP never multiplies the loss by the processes.
+    _labels_made_for_the_stages = True
 
     def __init__(self, model=None, args=None, *, plan: Plan, torch_dtype: torch.dtype | None = None,
                  **kwargs: Any) -> None:
         if isinstance(plan, Plan) and plan.uses_aqsgd and plan.data_parallel > 1:
             raise ValueError(f"ActCompRewardTrainer {AQSGD_WITH_REPLICAS}")
-        if isinstance(plan, Plan) and plan.data_parallel > 1:
-            raise ValueError(f"ActCompRewardTrainer takes data_parallel=1 only so far (got data_parallel="
-                             f"{plan.data_parallel}): its pairwise loss over replicas is not yet checked against "
-                             "RewardTrainer under DDP. Use one pipeline (data_parallel=1).")
         if isinstance(model, str):  # as RewardTrainer loads a name: one label, the score's head
             init = dict(getattr(args, "model_init_kwargs", None) or {})
             if torch_dtype is not None:
@@ -136,6 +140,17 @@ class ActCompRewardTrainer(PreferenceStages, ActCompTrainer, RewardTrainer):
         return RewardTrainer.compute_loss(self, _DropsExtras(model), inputs, return_outputs=return_outputs,
                                           num_items_in_batch=num_items_in_batch)
 
+    def _get_dataloader(self, dataset, description: str, batch_size: int, sampler_fn=None, is_training: bool = False,
+                        dataloader_key: str | None = None):
+        """With replicas, every replica evaluates the whole set in batches of the global evaluation
+        batch (replicas x per-device pairs): the groups RewardTrainer's per-batch metrics (min and
+        max reward, accuracy, margin) are taken over under DDP, where the processes' batches are
+        gathered."""
+        if not is_training:
+            batch_size *= self._backend.num_replicas
+        return super()._get_dataloader(dataset, description, batch_size, sampler_fn=sampler_fn,
+                                       is_training=is_training, dataloader_key=dataloader_key)
+
     def _longest_training_row(self) -> int:
         return max(len(ids) for column in ("chosen_ids", "rejected_ids") for ids in self.train_dataset[column])
 
@@ -150,9 +165,12 @@ class ActCompRewardTrainer(PreferenceStages, ActCompTrainer, RewardTrainer):
 
     def _record(self, inputs: dict[str, torch.Tensor], mode: str) -> None:
         """RewardTrainer's metrics of this batch, from the rewards the last stage saw (shared with
-        every rank); its token count without the gather over processes (the stages of one pipeline
-        read the same batch)."""
+        every rank) and, in training, gathered over the replicas as RewardTrainer gathers them over
+        the processes (every replica evaluates the whole global batch itself); its token count
+        summed over the replicas."""
         rewards = self.pipe.share_predictions(self._pair_loss.take_rewards())
+        if mode == "train":
+            rewards = self.pipe.gather_over_replicas(rewards)
         self._count_tokens(inputs, mode)
         for key, value in reward_metrics(rewards.float()).items():
             self._metrics[mode][key].append(value)
