@@ -31,8 +31,9 @@ DEBUG_FAMILIES = (
 )
 # Encoders: no causal LM; `debug_model(family, task=...)` builds their classifiers and masked LM.
 ENCODER_FAMILIES = ("bert", "roberta", "deberta-v2", "modernbert")
-# Image models: `debug_model(family, task="image_classification")`, 8 x 8 one-channel images (2 x 2 patches).
-IMAGE_FAMILIES = ("vit",)
+# Image models: `debug_model(family, task="image_classification")`, one-channel images: 8 x 8 for ViT (2 x 2
+# patches), any size for ResNet.
+IMAGE_FAMILIES = ("vit", "resnet")
 
 _VOCAB = 256
 _HIDDEN = 64
@@ -119,13 +120,18 @@ _FAMILY_KWARGS: dict[str, dict[str, Any]] = {
     "modernbert": dict(_SIZES, intermediate_size=2 * _HIDDEN, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                        cls_token_id=1, sep_token_id=2, global_attn_every_n_layers=2, local_attention=4,
                        classifier_pooling="mean"),
+    # Two ResNet stages of two basic residual layers (4 blocks, as the other families' layers, so that a cut
+    # can fall inside a ResNet stage); 1 x 16 x 16 images leave 4 x 4 feature maps after the stem, 2 x 2 after
+    # the second stage's stride.
+    "resnet": dict(num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[2, 2], layer_type="basic",
+                   downsample_in_first_stage=False),
     "vit": dict(image_size=8, patch_size=2, num_channels=1, hidden_size=_HIDDEN, num_hidden_layers=_LAYERS,
                 num_attention_heads=_HEADS, intermediate_size=2 * _HIDDEN),
 }
 
 
 # Gemma 2 soft-caps attention scores, which transformers' SDPA path cannot do.
-_ATTENTION = {"gemma2": "eager", "deberta-v2": "eager"}
+_ATTENTION = {"gemma2": "eager", "deberta-v2": "eager", "resnet": "eager"}  # ResNet: no attention at all
 
 
 def default_attention(family: str) -> str:

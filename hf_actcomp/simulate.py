@@ -45,7 +45,6 @@ from .models.heads import (
     MASKED_LM,
     SEQUENCE_CLASSIFICATION,
     TOKEN_CLASSIFICATION,
-    takes_item_count,
 )
 from .models.router import RouterLoss, router_spec
 from .models.split import stage_ranges
@@ -215,7 +214,7 @@ class SimulatedPipeline(nn.Module):
         micro = split_batch(batch, micro_batch_count(batch, self.plan, compress))
         # A classifier's own forward takes no `num_items_in_batch` (its loss is the call's mean), so
         # the stages do not either: Trainer then treats both alike.
-        num_items = num_items_in_batch if takes_item_count(self.adapter.task, self.config, labels) else None
+        num_items = num_items_in_batch if self.adapter.takes_item_count(labels) else None
         if num_items is None and labels is not None and len(micro) > 1:
             num_items = count_items(self.adapter.task, self.config, labels)  # per-micro-batch means would weight rows unevenly
         logits_parts, loss = [], None

@@ -187,6 +187,8 @@ PIPELINE_CASES = {
     "roberta-masked-lm": ("roberta", MASKED_LM, {"hidden_dropout_prob": 0.0}),
     # pixel_values into the first stage; boundaries sized from the patches (models/vision.py)
     "vit-images": ("vit", "image_classification", {}),
+    # feature maps of two shapes (the cut inside a ResNet stage would be a third); BatchNorm per micro-batch
+    "resnet-images": ("resnet", "image_classification", {}),
     # relative-position embeddings on both stages: their gradients summed over the stages
     "deberta-v2-single-label": ("deberta-v2", SEQUENCE_CLASSIFICATION, {"hidden_dropout_prob": 0.0}),
     # both at once: the shared embeddings summed over the stages and the decoder tied to the first stage
@@ -203,17 +205,39 @@ def case_batch(case: str, model) -> dict:
         from test_vision import image_batch
 
         return image_batch(4, labels=torch.tensor([2, 0, 1, 1]))
+    if model.config.model_type == "resnet":
+        from test_resnet import resnet_batch
+
+        return resnet_batch(4, labels=torch.tensor([2, 0, 1, 1]))
     problem = {"llama-regression": "regression", "opt-multi-label": "multi_label_classification"}.get(case)
     labels = PROBLEMS[problem][1] if problem else (None if case.endswith(("tokens", "masked-lm"))
                                                    else torch.tensor([2, 0, 1, 1]))
     return classifier_batch(model, "right", rows=4, labels=labels)
 
 
+def reference_step(reference, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unsplit model's training loss of the worker's step (2 micro-batches) with its gradients
+    left in `reference`, and its evaluation's logits and loss after the step. The batch at once
+    (no dropout: training and evaluation agree); a ResNet (BatchNorm over the batch it is given)
+    over the two halves in turn, as gradient accumulation runs it, then evaluated with the running
+    statistics they left."""
+    if reference.config.model_type != "resnet":
+        out = reference(**batch)
+        out.loss.backward()
+        return out.loss.detach(), out.logits.detach(), out.loss.detach()
+    loss = sum(reference(**{k: v.tensor_split(2)[i] for k, v in batch.items()}).loss for i in range(2)) / 2
+    loss.backward()
+    with torch.no_grad():
+        evaluated = reference.eval()(**batch)
+    return loss.detach(), evaluated.logits, evaluated.loss
+
+
 def test_two_processes_match_the_unsplit_classifier(tmp_path):
     """`prepare` + `train_step` / `eval_step` on 2 ranks: the loss, the last stage's logits and
     every parameter's gradient equal the unsplit model's (BERT's segments reach the first stage,
     RoBERTa's masked-LM head stays tied to the first stage's embedding, ViT's pixel_values reach
-    the first stage and its patches size the boundary)."""
+    the first stage and its patches size the boundary, ResNet's feature maps are sized from the
+    images and its BatchNorm runs per micro-batch)."""
     from distributed import run_workers
     from safetensors.torch import load_file
 
@@ -223,14 +247,13 @@ def test_two_processes_match_the_unsplit_classifier(tmp_path):
     for case, (family, task, overrides) in PIPELINE_CASES.items():
         reference = debug_model(family, task=task, **overrides)
         batch = case_batch(case, reference)
-        expected = reference(**batch)
-        expected.loss.backward()
+        loss, eval_logits, eval_loss = reference_step(reference, batch)
         want = grads(reference)
         got = [load_file(tmp_path / f"{case}-rank{rank}.safetensors") for rank in range(2)]
         for rank in range(2):
-            torch.testing.assert_close(got[rank]["loss"][0], expected.loss.detach(), **CLOSE)
-            torch.testing.assert_close(got[rank]["eval_loss"][0], expected.loss.detach(), **CLOSE)
-        torch.testing.assert_close(got[1]["logits"], expected.logits.detach(), **CLOSE)
+            torch.testing.assert_close(got[rank]["loss"][0], loss, **CLOSE)
+            torch.testing.assert_close(got[rank]["eval_loss"][0], eval_loss, **CLOSE)
+        torch.testing.assert_close(got[1]["logits"], eval_logits, **CLOSE)
         # A head tied to the input embedding (the masked LM): the last stage's copy owns the
         # gradient, under the head's name; every parameter's gradient is on exactly one rank, but
         # for those every stage holds (DeBERTa's relative-position embeddings): the whole sum on each.

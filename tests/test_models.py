@@ -236,7 +236,7 @@ def test_debug_config_unknown_family():
         debug_config("electra")
     assert str(info.value) == (
         "Unknown debug family 'electra'. Available families: gpt2, opt, llama, mistral, qwen2, "
-        "qwen3, gemma2, gemma3_text, phi3, olmo2, mixtral, bert, roberta, deberta-v2, modernbert, vit."
+        "qwen3, gemma2, gemma3_text, phi3, olmo2, mixtral, bert, roberta, deberta-v2, modernbert, vit, resnet."
     )
     with pytest.raises(ValueError, match="Available families"):
         debug_model("gptj")
@@ -267,7 +267,7 @@ def test_unsupported_model_type_lists_supported_ones():
         get_adapter(tiny_gpt_neox())
     assert str(info.value) == (
         "Model type 'gpt_neox' is not supported. Supported model types: bert, deberta-v2, gemma2, gemma3_text, "
-        "gpt2, llama, mistral, mixtral, modernbert, olmo2, opt, phi3, qwen2, qwen3, roberta, vit. See "
+        "gpt2, llama, mistral, mixtral, modernbert, olmo2, opt, phi3, qwen2, qwen3, resnet, roberta, vit. See "
         "docs/adding_a_model.md to add an adapter."
     )
     bert = transformers.BertLMHeadModel(

@@ -115,11 +115,11 @@ def test_image_batches_are_checked_before_any_work():
     sim = hf_actcomp.simulate(debug_model("vit", task=TASK), Plan(num_stages=2, micro_batches=2))
     with pytest.raises(ValueError, match=r"takes pixel_values of shape \(images, channels, height, width\) as floats"):
         sim(pixel_values=torch.zeros(4, 8, 8, dtype=torch.long), labels=torch.zeros(4, dtype=torch.long))
-    with pytest.raises(ValueError, match="ViT takes no attention_mask"):
+    with pytest.raises(ValueError, match="ViTForImageClassification takes no attention_mask"):
         sim(pixel_values=torch.zeros(4, 1, 8, 8), attention_mask=torch.ones(4, 17), labels=torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="both input_ids and pixel_values"):
         sim(input_ids=torch.zeros(4, 3, dtype=torch.long), pixel_values=torch.zeros(4, 1, 8, 8))
-    with pytest.raises(ValueError, match="image models \\(vit\\) build image_classification only"):
+    with pytest.raises(ValueError, match="image models \\(vit, resnet\\) build image_classification only"):
         debug_model("vit")
 
 

@@ -130,10 +130,10 @@ def class_collator(features: list[dict]) -> dict[str, torch.Tensor]:
             "labels": torch.tensor([f["labels"] for f in features])}
 
 
-def image_rows(rows: int = 32, num_labels: int = 3, seed: int = 0):
-    """1 x 8 x 8 images (the debug ViT's) with a class per image."""
+def image_rows(rows: int = 32, num_labels: int = 3, seed: int = 0, size: int = 8):
+    """1 x `size` x `size` images (8: the debug ViT's) with a class per image."""
     g = torch.Generator().manual_seed(seed)
-    return datasets.Dataset.from_dict({"pixel_values": torch.randn(rows, 1, 8, 8, generator=g).tolist(),
+    return datasets.Dataset.from_dict({"pixel_values": torch.randn(rows, 1, size, size, generator=g).tolist(),
                                        "labels": (torch.arange(rows) % num_labels).tolist()})
 
 

@@ -27,6 +27,7 @@ from .heads import (
     classification_loss,
     head_module_paths,
     last_non_pad_logits,
+    takes_item_count,
     task_of,
 )
 
@@ -105,6 +106,11 @@ class ModelAdapter(abc.ABC):
     def blocks(self) -> nn.ModuleList:
         """The model's transformer blocks, in order."""
         return self.model.get_submodule(self.blocks_path)
+
+    def block_paths(self) -> list[str]:
+        """The dotted path (in the model) of each block, in order: `{blocks_path}.{i}`; a family
+        whose blocks sit in several lists (ResNet's stages of layers) names them itself."""
+        return [f"{self.blocks_path}.{i}" for i in range(self.num_blocks)]
 
     @abc.abstractmethod
     def _embedding_paths(self) -> list[str]:
@@ -209,6 +215,21 @@ class ModelAdapter(abc.ABC):
         text model's `input_ids` shape; an image model's from its patches (models/vision.py)."""
         return (int(main_input.shape[0]), int(main_input.shape[1]))
 
+    # Whether every boundary carries the same shape (transformers: (rows, positions, hidden));
+    # not so for a convolutional model, whose channels and resolution change with depth.
+    uniform_boundaries: ClassVar[bool] = True
+
+    def boundary_shape(self, main_input: Tensor, block: int) -> tuple[int, ...]:
+        """The shape of the hidden states entering block `block` (`num_blocks`: leaving the last)
+        for the batch's main input, known before any data arrives: what a receiving stage
+        allocates. (rows, positions, `config.hidden_size`) unless the family says otherwise."""
+        return (*self.hidden_shape(main_input), int(self.config.hidden_size))
+
+    def takes_item_count(self, labels: Tensor | None) -> bool:
+        """Whether the model's own forward divides its loss by a `num_items_in_batch` it is given
+        (`heads.takes_item_count`; a family whose forward drops the count says no)."""
+        return takes_item_count(self.task, self.config, labels)
+
     def check_batch(self, batch: dict[str, Tensor | None]) -> None:
         """Refuse, before any work and on every rank alike, what this model cannot take: a
         sequence classifier's rows without a pad token, segments (`token_type_ids`) for a model
@@ -303,7 +324,7 @@ class StageModule(nn.Module):
         paths: list[str] = []
         if first:
             paths += adapter._embedding_paths()
-        paths += [f"{adapter.blocks_path}.{i}" for i in range(start, stop)]
+        paths += adapter.block_paths()[start:stop]
         if last:
             paths += adapter.head_paths()
         paths += adapter._context_paths()

@@ -52,7 +52,8 @@ def check_adapter(
 ) -> None:
     """Raise AssertionError unless stages of `model` reproduce the unsplit model exactly.
 
-    Runs `batch` (default: a seeded left-padded batch, for a causal LM) through the stages `stage_ranges`
+    Runs `batch` (default: a seeded left-padded batch, for a causal LM; an image classifier's holds
+    `pixel_values` and `labels`) through the stages `stage_ranges`
     (default: 3 near-equal stages, fewer for shallower models) and through an unsplit deep
     copy, then compares logits, loss and every parameter's gradient (tolerances `atol`,
     `rtol`; exact by default, as the stages run the model's own operations in its order).
@@ -69,11 +70,12 @@ def check_adapter(
         for i, (start, stop) in enumerate(ranges)
     ]
     rng = torch.get_rng_state()  # dropout draws the same numbers in both runs
-    hidden = batch["input_ids"]
+    images = "input_ids" not in batch  # an image classifier's batch: pixel_values, no mask
+    hidden = main = batch["pixel_values"] if images else batch["input_ids"]
     for stage in stages:
-        hidden = stage(hidden, batch["attention_mask"], batch["input_ids"], batch.get("token_type_ids"))
+        hidden = stage(hidden, batch.get("attention_mask"), main, batch.get("token_type_ids"))
     torch.set_rng_state(rng)
-    ref = reference(**batch, use_cache=False)
+    ref = reference(**batch) if images else reference(**batch, use_cache=False)
     tol = dict(atol=atol, rtol=rtol)
     torch.testing.assert_close(hidden, ref.logits, **tol, msg=lambda m: f"logits: {m}")
     loss = adapter.loss(hidden, batch["labels"])

@@ -16,6 +16,7 @@ from .encoder import EncoderAdapter
 from .gpt2 import GPT2Adapter
 from .modernbert import ModernBertAdapter
 from .opt import OPTAdapter
+from .resnet import ResNetAdapter
 from .vision import ViTAdapter
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {}
@@ -96,6 +97,6 @@ def get_adapter(model: PreTrainedModel) -> ModelAdapter:
 
 
 for _cls in (GPT2Adapter, OPTAdapter, DecoderAdapter, EncoderAdapter, DebertaV2Adapter, ModernBertAdapter,
-             ViTAdapter):
+             ViTAdapter, ResNetAdapter):
     register_adapter(_cls)
 del _cls

@@ -79,10 +79,17 @@ class ViTAdapter(ModelAdapter):
         return self.blocks()[index](hidden, None)
 
     def check_batch(self, batch: dict[str, Tensor | None]) -> None:
-        images = batch["input_ids"]
-        if not torch.is_floating_point(images) or images.dim() != 4:
-            raise ValueError(f"{type(self.model).__name__} takes pixel_values of shape (images, channels, height, "
-                             f"width) as floats; got a {images.dtype} tensor of shape {tuple(images.shape)}.")
-        if batch.get("attention_mask") is not None:
-            raise ValueError("ViT takes no attention_mask: drop the key from the batch (images are not padded).")
+        check_images(self.model, batch)
         super().check_batch(batch)
+
+
+def check_images(model: nn.Module, batch: dict[str, Tensor | None]) -> None:
+    """Refuse what an image classifier cannot take: `pixel_values` (the batch's main input) that
+    are not (images, channels, height, width) floats, or an attention mask."""
+    images = batch["input_ids"]
+    if not torch.is_floating_point(images) or images.dim() != 4:
+        raise ValueError(f"{type(model).__name__} takes pixel_values of shape (images, channels, height, "
+                         f"width) as floats; got a {images.dtype} tensor of shape {tuple(images.shape)}.")
+    if batch.get("attention_mask") is not None:
+        raise ValueError(f"{type(model).__name__} takes no attention_mask: drop the key from the batch (images are "
+                         "not padded).")

@@ -87,6 +87,9 @@ def split_model(model: nn.Module, plan: Plan) -> tuple[ModelAdapter, list[range]
     """The model's adapter, every stage's blocks and the tied pairs; an unsupported family, split
     or tie fails here, on every rank alike."""
     adapter = get_adapter(model)
+    if plan.autotune is not None and not adapter.uniform_boundaries:
+        raise ValueError(f"Plan.auto assumes every boundary carries the same shape; {type(model).__name__}'s "
+                         "boundaries change with depth. Give a fixed Plan(...).")
     ranges = stage_ranges(adapter, plan)
     tied_pairs = adapter.tied_weights()
     check_tied_embeddings(model, tied_pairs)

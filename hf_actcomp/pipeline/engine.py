@@ -94,7 +94,7 @@ class Pipeline(ReplicasMixin, TelemetryMixin, SplitGenerationMixin, CompressionS
         blocks = self.ranges[self.mesh.stage]
         self.stage = build.build_stage(model, adapter, blocks, self.mesh, self.device, compiling)
         self.boundary_dtype = build.boundary_dtype(model, autocast_dtype)
-        self.hidden_size = int(self.config.hidden_size)
+        self.hidden_size = getattr(self.config, "hidden_size", None)  # split generation's (causal LMs only)
         self.transport = Transport(self.group, self.mesh.rank, self.timeout, self.device)
         self.sample_range = build.replica_samples(plan, self.mesh)
         self._optimizer_steps = 0

@@ -60,7 +60,6 @@ class StageRunner:
         # A trainer's own loss of a micro-batch (`Pipeline.set_objective`), in place of the model's.
         self.objective: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
         self.boundary_dtype = boundary_dtype
-        self.hidden_size = int(config.hidden_size)
         self.autocast_dtype = autocast_dtype
         self.router = router
         self.sample_range = sample_range
@@ -141,9 +140,11 @@ class StageRunner:
         return {self.ends[key].name: self.ends[key].stats for key in ("forward_out", "backward_out") if key in self.ends}
 
     # ------------------------------------------------------------------------- one micro-batch
-    def shape(self, mb: MicroBatch) -> tuple[int, ...]:
-        """The shape of what crosses a boundary for micro-batch `mb` (either direction)."""
-        return (*self.stage.adapter.hidden_shape(mb.input_ids), self.hidden_size)
+    def shape(self, mb: MicroBatch, side: str = "in") -> tuple[int, ...]:
+        """The shape of what crosses this stage's incoming (`side="in"`: activations received,
+        their gradients sent back) or outgoing boundary (`"out"`) for micro-batch `mb`."""
+        block = self.stage.start if side == "in" else self.stage.stop
+        return self.stage.adapter.boundary_shape(mb.input_ids, block)
 
     def post_receives(self, micro: list[MicroBatch], *, training: bool, codec=None) -> None:
         """Post every receive of the step at its start (sizes are known without data), so that a
@@ -155,7 +156,7 @@ class StageRunner:
                                               f"{'' if training else 'eval '}activations of micro-batch {i}",
                                               sample_ids=mb.sample_id if training else None, codec=codec)
             if training and not self.is_last:
-                self.links["backward_in"].post(i, self.shape(mb), self.device, f"gradients of micro-batch {i}")
+                self.links["backward_in"].post(i, self.shape(mb, "out"), self.device, f"gradients of micro-batch {i}")
 
     def receives(self, kind: str) -> bool:
         """Whether an action of this kind starts by receiving (so a send can be paired with it)."""

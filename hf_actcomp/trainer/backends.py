@@ -24,7 +24,7 @@ from .. import hub
 from ..batching import count_items, count_label_tokens
 from ..inference import compressed_inference
 from ..models import unwrap_peft
-from ..models.heads import CAUSAL_LM, takes_item_count
+from ..models.heads import CAUSAL_LM
 from ..pipeline import prepare
 from ..pipeline.loading import load_stage_model
 from ..pipeline.mesh import check_world_size
@@ -280,7 +280,7 @@ class Pipelined(Backend):
         steps = trainer.current_gradient_accumulation_steps
         scaled = num_items_in_batch is not None
         labels = inputs.get("labels")
-        if labels is not None and not takes_item_count(self.pipe.task, self.pipe.config, labels):
+        if labels is not None and not self.pipe.stage.adapter.takes_item_count(labels):
             # A classifier's own forward takes its call's mean and ignores the count Trainer passes,
             # so Trainer divides by the accumulation steps only where it passes none: the same here.
             # Under DDP it may also multiply that mean by the replicas (`replicas_loss_scale`); the
