@@ -341,6 +341,37 @@ def test_compressed_inference_and_lora_take_a_classifier():
             torch.testing.assert_close(grad, want[name], **CLOSE, msg=lambda m, n=name, f=family: f"{f} {n}: {m}")
 
 
+LORA_TARGETS = {"bert": ["query", "value"], "roberta": ["query", "value"], "deberta-v2": ["query_proj", "value_proj"],
+                "modernbert": ["Wqkv"]}
+
+
+@pytest.mark.parametrize("task", [SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, MASKED_LM])
+@pytest.mark.parametrize("family", ENCODER_FAMILIES)
+def test_lora_encoders_match_the_unsplit_model_over_micro_batches(family, task):
+    """PEFT LoRA on each encoder's attention and each head (the classifier saved in full), through
+    simulate in 2 micro-batches over 3 stages: the unsplit LoRA model's loss and every trainable
+    gradient."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora():
+        torch.manual_seed(0)
+        model = debug_model(family, task=task, **({} if family == "modernbert" else {"hidden_dropout_prob": 0.0}))
+        saved = [] if task == MASKED_LM else ["classifier"]
+        return get_peft_model(model, LoraConfig(r=4, target_modules=LORA_TARGETS[family], modules_to_save=saved))
+
+    ours, reference = lora(), lora()
+    batch = classifier_batch(reference, "right", rows=4)
+    expected = reference(**batch)
+    expected.loss.backward()
+    out = hf_actcomp.simulate(ours, Plan(num_stages=3, micro_batches=2, schedule="gpipe"))(**batch)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss, **CLOSE)
+    want = grads(reference)
+    assert set(grads(ours)) == set(want) and any("lora_B" in n for n in want)
+    for name, grad in grads(ours).items():
+        torch.testing.assert_close(grad, want[name], **CLOSE, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_encoders_over_micro_batches_and_their_refusals():
     """BERT and DeBERTa-v2 with segments (token_type_ids) in 2 micro-batches through simulate: the
     unsplit model's loss, logits and gradients (DeBERTa's relative-position embeddings shared by
