@@ -147,13 +147,18 @@ def test_aqsgd_keys_feature_maps_by_sample_id():
 
 
 def test_resnet_refusals_name_the_problem():
-    """Plan.auto (one shape for every boundary), the bare backbone, a mask."""
+    """Plan.auto (one shape for every boundary), the estimate (which prices (rows, tokens, hidden)),
+    the bare backbone, a mask."""
     model = debug_model("resnet", task=TASK)
     with pytest.raises(ValueError, match="Plan.auto assumes every boundary carries the same shape; "
                                          "ResNetForImageClassification's boundaries change with depth"):
         hf_actcomp.pipeline.construction.split_model(model, Plan.auto(num_stages=2))
     with pytest.raises(ValueError, match="hf-actcomp splits ResNet as an image classifier"):
         get_adapter(transformers.ResNetModel(model.config))
+    from hf_actcomp.plan.estimate import estimate
+
+    with pytest.raises(ValueError, match="model type 'resnet' has no hidden_size"):
+        estimate(model.config, Plan(num_stages=2), batch_size=4, seq_len=1, link_bits_per_second=1e7)
     sim = hf_actcomp.simulate(model, Plan(num_stages=2))
     with pytest.raises(ValueError, match="ResNetForImageClassification takes no attention_mask"):
         sim(**resnet_batch(), attention_mask=torch.ones(4, 16))

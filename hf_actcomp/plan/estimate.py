@@ -33,11 +33,21 @@ def first_visit_label(compression: Compression) -> str:
     return f"first visits {compression.describe().removeprefix('aqsgd-')} (direct)"
 
 
+def hidden_size(config: PretrainedConfig) -> int:
+    """The width of what crosses a boundary, which the estimate prices as (rows, tokens, hidden);
+    a clear error for a model without one (ResNet: its feature maps change shape with depth)."""
+    if getattr(config, "hidden_size", None) is None:
+        raise ValueError(f"The estimate prices boundaries of (rows, tokens, config.hidden_size); model type "
+                         f"{config.model_type!r} has no hidden_size (its boundaries change shape with depth). Count "
+                         "its bytes with simulate(model, plan) on a batch and .stats() instead.")
+    return int(config.hidden_size)
+
+
 def estimate(config: PretrainedConfig, plan: Plan, batch_size: int, seq_len: int, link_bits_per_second: float,
              dtype: torch.dtype = torch.float32, num_samples: int | None = None,
              compute_seconds: float | None = None) -> dict:
     """Bytes per optimizer step of every boundary direction, the AQ-SGD memory, and link time."""
-    hidden = int(config.hidden_size)
+    hidden = hidden_size(config)
     micro = plan.micro_batches
     if batch_size < micro:
         raise ValueError(f"--batch-size {batch_size} is smaller than the plan's {micro} micro-batches.")
@@ -160,7 +170,7 @@ def auto_estimate(config: PretrainedConfig, plan: Plan, batch_size: int, seq_len
     """What `Plan.auto` would choose: every stage computing `compute_seconds` per step (the
     busiest stage's), each boundary's link as given in both directions (`rtts` in seconds)."""
     micro = plan.micro_batches
-    shape = (math.ceil(batch_size / micro), seq_len, int(config.hidden_size))
+    shape = (math.ceil(batch_size / micro), seq_len, hidden_size(config))
     links = [{d: Link(bandwidth=bits / 8, rtt=rtt) for d in ("forward", "backward")}
              for bits, rtt in zip(links_bits, rtts, strict=True)]
     measured = Measurements(compute=[compute_seconds / micro] * plan.num_stages, links=links, payload_shape=shape,
