@@ -41,13 +41,13 @@ run), and AQ-SGD boundaries with PowerSGD, TopK + EF, DiLoCo, Streaming DiLoCo a
 pseudo-gradient between the replicas:
 
     sudo OMP_NUM_THREADS=1 .venv/bin/python benchmarks/time_to_quality.py --replicas 2 --rate 10 \
-        --name time_to_quality_2x2_10mbit --data /tmp/ttq.safetensors       # ~90 minutes
+        --name time_to_quality_2x2_10mbit_rerun --data /tmp/ttq.safetensors # ~90 minutes
     sudo OMP_NUM_THREADS=1 .venv/bin/python benchmarks/time_to_quality.py --replicas 2 --rate 100 \
-        --name time_to_quality_2x2_100mbit --data /tmp/ttq.safetensors      # ~25 minutes
+        --name time_to_quality_2x2_100mbit_rerun --data /tmp/ttq.safetensors # ~25 minutes
 
 A results file's hand-written `## Analysis` section is kept when it is written again.
 
-Writes benchmarks/results/time_to_quality.{json,md,png}.
+Writes benchmarks/results/<--name>.{json,md,png} (default name: time_to_quality).
 """
 
 from __future__ import annotations
