@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test test-real-model test-cuda bench-cuda lint train bench-codecs bench-outliers bench-real-model bench-real-model-time-to-quality bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-link-stall bench-time-to-quality bench-time-to-quality-10mbit bench-time-to-quality-20-100mbit bench-time-to-quality-2x2 bench-schedules bench-dp-hooks bench-diloco bench-compile clean
+.PHONY: setup test test-real-model test-cuda bench-cuda lint train bench-codecs bench-outliers bench-real-model bench-real-model-time-to-quality bench-convergence bench-finetune-quality bench-memory bench-slow-link bench-link-stall bench-time-to-quality bench-time-to-quality-10mbit bench-time-to-quality-20-100mbit bench-time-to-quality-2x2 bench-schedules bench-auto bench-dp-hooks bench-diloco bench-compile clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -96,7 +96,8 @@ bench-time-to-quality-2x2: setup
 	$(PY) benchmarks/time_to_quality.py --replicas 2 --rate 100 --name time_to_quality_2x2_100mbit_rerun
 
 # docs/pipeline.md's schedule figures: 2 and 4 stages (about 7 minutes), then zbh1 against 1F1B to quality at
-# 10 Mbit/s, the target measured in the same run (about 40 minutes); root for the namespaces and `tc`
+# 10 Mbit/s, the target measured in the same run, with fw2/bw4 and fw4/bw8, and torch's interleaved schedule as a
+# peer (about 80 minutes); root for the namespaces and `tc`
 bench-schedules: setup
 	$(PY) benchmarks/schedules.py --rates --stages 2 4 --schedules 1f1b zbh1 --peer_schedules GPipe 1F1B ZBVZeroBubble \
 		--steps 12 --repeats 5 --name schedules_zbh1_loopback_zbv
@@ -105,6 +106,24 @@ bench-schedules: setup
 	$(PY) benchmarks/time_to_quality.py --rate 10 --repeats 5 --methods "ours, uncompressed" \
 		"ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4, zbh1" \
 		--name time_to_quality_zbh1_plain_w_10mbit
+	$(PY) benchmarks/time_to_quality.py --rate 10 --methods "ours, uncompressed" "ours, AQ-SGD fw4/bw8, warm-up h4, tie q8" \
+		"ours, AQ-SGD fw4/bw8, warm-up h4, tie q8, zbh1" --name time_to_quality_zbh1_fw4_10mbit
+	$(PY) benchmarks/schedules.py --rates 10 --stages 2 4 --schedules gpipe 1f1b zbh1 \
+		--peer_schedules GPipe 1F1B Interleaved1F1B --link_peer_schedules GPipe 1F1B --name schedules
+
+# docs/auto.md's benchmark: Plan.auto(quality="safe") against the fastest fixed settings (about 80 minutes; root)
+bench-auto: setup
+	$(PY) benchmarks/time_to_quality.py --rate 10 --methods "ours, uncompressed" "ours, auto" \
+		"ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q8" "ours, Hadamard fw4/bw8, tie q8" \
+		--name time_to_quality_auto_shared_10mbit
+	$(PY) benchmarks/time_to_quality.py --rate 20 --methods "ours, uncompressed" "ours, auto" \
+		"ours, AQ-SGD fw2/bw4, warm-up h4, tie q8" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" --name time_to_quality_auto_shared_20mbit
+	$(PY) benchmarks/time_to_quality.py --rate 100 --methods "ours, uncompressed" "ours, auto" \
+		"ours, AQ-SGD fw2/bw4, warm-up h4, tie q8" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, Hadamard fw4/bw8, tie q8" \
+		--name time_to_quality_auto_shared_100mbit
+	$(PY) benchmarks/time_to_quality.py --rate 10 --stages 3 --shaped 1 --methods "ours, uncompressed" "ours, auto" \
+		"ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, Hadamard fw4/bw8, tie q8" "ours, AQ-SGD fw4/bw8, warm-up h4, tie q8" \
+		--name time_to_quality_auto_shared_3stage_10mbit_mixed
 
 bench-dp-hooks: setup
 	$(PY) benchmarks/dp_hooks.py
