@@ -60,8 +60,9 @@ class AutoTuner:
         runner, plan = self.runner, self.runner.plan
         config = plan.autotune
         start = time.perf_counter()
-        # the largest micro-batch (tensor_split puts extra rows first); every boundary alike
-        shape = runner.shape(micro[0], "out" if runner.is_first else "in")
+        # the largest micro-batch (tensor_split puts extra rows first); Plan.auto takes only models whose
+        # boundaries all carry this shape (`ModelAdapter.uniform_boundaries`, checked by split_model)
+        shape = runner.shape(micro[0])
         nbytes = math.prod(shape) * torch.empty((), dtype=runner.boundary_dtype).element_size()
         compute = self.measure_compute(micro[0], config.probe_repeats)
         links = measure_links(runner.transport, runner.mesh, runner.device, nbytes, config.probe_repeats, self.counter)
