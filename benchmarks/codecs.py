@@ -48,6 +48,7 @@ CASES = [
     ("hadamard", dict(bits=4)),
     ("hadamard_outliers", dict(bits=4)),
     ("hadamard_outliers", dict(bits=6)),
+    ("hadamard_codebook", dict(levels=11)),
 ]
 
 # Scalings compared on tensors with outlier channels: the name, the codec and its parameters.

@@ -65,6 +65,7 @@ def codec_settings() -> dict[str, Compression]:
         "hadamard_outliers 4, 0 outliers": o(4, outliers=0),
         "hadamard_outliers 3": o(3),
         "hadamard_outliers 3, 8 outliers, tile 64": o(3, outliers=8, group_size=64),
+        **{f"hadamard_codebook {levels}": Compression("hadamard_codebook", levels=levels) for levels in (15, 13, 11, 9, 7)},
     }
 
 

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from hf_actcomp.codecs import available_codecs, make_codec
-from hf_actcomp.codecs.packing import pack_bits, packed_nbytes, unpack_bits
+from hf_actcomp.codecs.packing import (
+    digits_per_word,
+    pack_bits,
+    pack_digits,
+    packed_digits_nbytes,
+    packed_nbytes,
+    unpack_bits,
+    unpack_digits,
+)
 from hf_actcomp.codecs.sparsify import index_width
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -30,13 +38,16 @@ CODEC_PARAMS = [
     ("hadamard_outliers", dict(bits=4)),
     ("hadamard_outliers", dict(bits=3, outliers=0, group_size=8, rounding="stochastic")),
     ("hadamard_outliers", dict(bits=8, outliers=2)),
+    ("hadamard_codebook", dict(levels=11)),
+    ("hadamard_codebook", dict(levels=3, outliers=0)),
+    ("hadamard_codebook", dict(levels=15, outliers=2, tile=7)),
     ("topk_quantize", dict(ratio=0.1)),
     ("topk_quantize", dict(ratio=0.3, bits=5, group_size=7, value_dtype="bf16")),
 ]
 
 
 def test_registry_lists_all_codecs():
-    assert available_codecs() == ["bf16", "fp16", "hadamard", "hadamard_outliers", "none", "quantize", "randk", "topk", "topk_quantize"]
+    assert available_codecs() == ["bf16", "fp16", "hadamard", "hadamard_codebook", "hadamard_outliers", "none", "quantize", "randk", "topk", "topk_quantize"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -177,7 +188,7 @@ def test_randk_sides_agree_through_shared_seed():
 @pytest.mark.parametrize(
     "name, params, message",
     [
-        ("zip", {}, "Unknown codec 'zip'. Available codecs: bf16, fp16, hadamard, hadamard_outliers, none, quantize, randk, topk, topk_quantize"),
+        ("zip", {}, "Unknown codec 'zip'. Available codecs: bf16, fp16, hadamard, hadamard_codebook, hadamard_outliers, none, quantize, randk, topk, topk_quantize"),
         ("hadamard", dict(bits=0), "hadamard bits=0 is outside the allowed range 1..8"),
         ("hadamard", dict(bits=4, boost_fraction=0.5), r"boost_fraction=0.5 is outside the allowed range \[0, 0.5\)"),
         ("hadamard", dict(bits=4, rounding="up"), "rounding='up' is not valid"),
@@ -324,3 +335,80 @@ def test_hadamard_outliers_sends_one_token_messages_as_bf16():
     payload = codec.encode(x)
     assert payload.numel() == codec.payload_nbytes(x.shape, x.dtype) == 2 * x.numel()
     assert torch.equal(codec.decode(payload, x.shape, x.dtype), x.bfloat16().float())
+
+
+def test_digit_packing_round_trips_and_is_dense():
+    # 11 levels: 2 codes in 7 bits (121 <= 128), 3.5 bits a code; 13: 7 in 26 bits; 15: one in 4.
+    assert [digits_per_word(levels) for levels in (3, 5, 7, 9, 11, 13, 15)] == [
+        (5, 8), (3, 7), (6, 17), (5, 16), (2, 7), (7, 26), (1, 4)]
+    assert packed_digits_nbytes(1000, 11) == 438 and packed_digits_nbytes(1001, 11) == 439
+    generator = torch.Generator().manual_seed(0)
+    for levels in (3, 11, 13):
+        for count in (1, 6, 7, 1001):
+            codes = torch.randint(0, levels, (count,), generator=generator, dtype=torch.uint8)
+            packed = pack_digits(codes, levels)
+            assert packed.dtype == torch.uint8 and packed.numel() == packed_digits_nbytes(count, levels)
+            assert torch.equal(unpack_digits(packed, levels, count), codes)
+
+
+def test_gaussian_codebook_is_the_lloyd_max_quantizer_of_max_abs_scaled_tiles():
+    from hf_actcomp.codecs.hadamard_codebook import gaussian_codebook
+    table = torch.tensor(gaussian_codebook(11, 32))
+    assert table.numel() == 11 and table[0] == -1 and table[-1] == 1 and table[5] == 0
+    assert torch.equal(table, -table.flip(0)) and bool((table.diff() > 0).all())
+    # Lloyd-Max: each inner level is the mean of the samples nearest to it (fresh samples).
+    x = torch.randn(20000, 32, generator=torch.Generator().manual_seed(1))
+    x = (x / x.abs().amax(dim=1, keepdim=True)).reshape(-1)
+    nearest = (x.unsqueeze(1) - table).abs().argmin(dim=1)
+    for level in range(1, 10):
+        assert abs(float(x[nearest == level].mean()) - float(table[level])) < 0.005
+    grid = torch.linspace(-1, 1, 11)
+    uniform = (x.unsqueeze(1) - grid).abs().min(dim=1).values.square().mean()
+    assert (x.unsqueeze(1) - table).abs().min(dim=1).values.square().mean() < 0.9 * uniform  # 0.86 here
+
+
+def test_hadamard_codebook_payload_layout_is_exact():
+    codec = make_codec("hadamard_codebook", levels=11)
+    rows, tokens, hidden, k = 2, 16, 64, 3
+    n = rows * tokens
+    # hadamard_outliers' sink, mean and k outliers per token; then the message's largest scale
+    # (fp32), one byte of scale per tile of 32, two 11-level codes per 7 bits.
+    expected = 4 * rows + 2 * rows * hidden + 2 * hidden + 4 * n * k + 4 + n * hidden // 32 + n * hidden * 7 // 16
+    assert codec.payload_nbytes((rows, tokens, hidden), torch.float32) == expected == 1740
+    assert codec.encode(_sink_and_outlier_channels()).numel() == expected
+    # SmolLM2's boundary (hidden 576, a micro-batch of 4 x 256 tokens): under 4 bits a value.
+    shape = (4, 256, 576)
+    assert 8 * codec.payload_nbytes(shape, torch.float32) / math.prod(shape) == pytest.approx(3.9951, abs=1e-4)
+
+
+def test_hadamard_codebook_sends_outliers_apart_in_fewer_bytes_than_4_bits():
+    x = _sink_and_outlier_channels(rows=2, tokens=64, hidden=128)
+    codec = make_codec("hadamard_codebook", levels=11)
+    out = codec.decode(codec.encode(x), x.shape, x.dtype)
+    assert torch.equal(out[:, 3], x[:, 3].bfloat16().float())  # the sink, whole in bf16
+    three, four = make_codec("hadamard_outliers", bits=3), make_codec("hadamard_outliers", bits=4)
+    nbytes = {c: c.payload_nbytes(x.shape, x.dtype) for c in (codec, three, four)}
+    assert nbytes[three] < nbytes[codec] < nbytes[four]
+    assert _relative_error(codec, x) < 0.9 * _relative_error(three, x)  # 0.84 here
+    assert torch.equal(codec.decode(codec.encode(torch.zeros(2, 8, 64)), (2, 8, 64), torch.float32),
+                       torch.zeros(2, 8, 64))
+
+
+def test_hadamard_codebook_clips_a_lone_extreme_value(monkeypatch):
+    import hf_actcomp.codecs.hadamard_codebook as module
+    x = torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(0))
+    fitted = _relative_error(make_codec("hadamard_codebook", levels=5, outliers=0), x)
+    monkeypatch.setattr(module, "CLIP_STEPS", (0,))  # max-abs scales only
+    assert fitted < 0.95 * _relative_error(make_codec("hadamard_codebook", levels=5, outliers=0), x)
+
+
+def test_hadamard_codebook_levels_are_checked_by_name():
+    from hf_actcomp import Compression
+    with pytest.raises(ValueError, match=r"Compression.levels=12 is not valid. Allowed values: 3, 5, 7, 9, 11, 13, 15\."):
+        Compression("hadamard_codebook", levels=12)
+    with pytest.raises(ValueError, match=r"needs levels \(allowed: 3, 5, 7, 9, 11, 13, 15\)"):
+        Compression("hadamard_codebook")
+    with pytest.raises(ValueError, match="hadamard_codebook levels=4 is not valid"):
+        make_codec("hadamard_codebook", levels=4)
+    assert Compression("hadamard_codebook", levels=11).describe() == "hadamard_codebook11"
+    assert Compression("quantize", bits=4).levels is None  # other codecs leave it unset

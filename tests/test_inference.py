@@ -138,3 +138,14 @@ def test_aqsgd_inference_fallbacks():
     with torch.no_grad():
         simulated = simulate(model, plan).eval()(input_ids=ids).logits
     assert torch.equal(direct, simulated)
+
+
+def test_hadamard_codebook_at_inference_falls_back_unless_chosen():
+    from hf_actcomp.plan.inference_form import auto_inference, resolve_inference
+    # Measured on SmolLM2: within 1% at 2 and 4 stages, not at 8 (docs/real_model.md), so `auto`
+    # sends hadamard_outliers 6 and an explicit choice warns.
+    trained = Compression("hadamard_codebook", levels=11)
+    assert resolve_inference(trained) == auto_inference()
+    chosen = Compression("aqsgd", bits=2, inference=Compression("hadamard_codebook", levels=15))
+    with pytest.warns(UserWarning, match=r"Compression.inference = hadamard_codebook15 was measured to cost more than 1%"):
+        assert resolve_inference(chosen) == Compression("hadamard_codebook", levels=15)

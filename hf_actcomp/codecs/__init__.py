@@ -13,6 +13,7 @@ import inspect
 from .base import BITS, GROUP_SIZE, RATIO, ROUNDING, SEED, Codec, Param
 from .cast import Bf16Codec, Fp16Codec, NoneCodec
 from .hadamard import HadamardCodec
+from .hadamard_codebook import HadamardCodebookCodec
 from .hadamard_outliers import HadamardOutliersCodec
 from .quantize import QuantizeCodec
 from .sparsify import RandKCodec, TopKCodec
@@ -75,7 +76,7 @@ def make_codec(name: str, **params) -> Codec:
 
 
 for _cls in (NoneCodec, Fp16Codec, Bf16Codec, QuantizeCodec, TopKCodec, RandKCodec, HadamardCodec,
-             HadamardOutliersCodec, TopKQuantizeCodec):
+             HadamardOutliersCodec, HadamardCodebookCodec, TopKQuantizeCodec):
     register_codec(_cls)
 
 __all__ = [
@@ -88,6 +89,7 @@ __all__ = [
     "Bf16Codec",
     "Codec",
     "Fp16Codec",
+    "HadamardCodebookCodec",
     "HadamardCodec",
     "HadamardOutliersCodec",
     "NoneCodec",

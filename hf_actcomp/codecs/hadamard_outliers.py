@@ -82,9 +82,32 @@ class HadamardOutliersCodec(Codec):
             raise ValueError(f"hadamard_outliers sends channel indices as int16: hidden size {hidden} is above {1 << 15}.")
         n = rows * tokens
         k = min(self.outliers, hidden - 1)
-        tiles = n * hidden // tile_size(hidden, self.group_size)
         return {"sink_index": 4 * rows, "sink": 2 * rows * hidden, "mean": 2 * hidden, "outlier_index": 2 * n * k,
-                "outlier": 2 * n * k, "scales": 2 * tiles, "codes": packed_nbytes(n * hidden, self.bits)}
+                "outlier": 2 * n * k, **self._tile_sizes(n * hidden, self._tile(hidden))}
+
+    # -- the rotated rest, per tile (a subclass may quantize it otherwise) ---------------------
+    def _tile(self, hidden: int) -> int:
+        return tile_size(hidden, self.group_size)
+
+    def _tile_sizes(self, count: int, tile: int) -> dict[str, int]:
+        """Bytes of each part that carries the `count` rotated elements in tiles of `tile`."""
+        return {"scales": 2 * (count // tile), "codes": packed_nbytes(count, self.bits)}
+
+    def _encode_tiles(self, tiles: torch.Tensor) -> list[torch.Tensor]:
+        """The byte parts (in `_tile_sizes` order) of the rotated rest, one tile per row."""
+        scales = (tiles.abs().amax(dim=1) * _SCALE_ROUND_UP).to(torch.bfloat16)
+        generator = None
+        if self.rounding == "stochastic":
+            generator = seeded_generator(tiles.device, self.seed, self.calls)
+            self.calls += 1
+        codes = values_to_codes(tiles, scales.float().unsqueeze(1), (1 << self.bits) - 1, generator)
+        return [as_bytes(scales), pack_bits(codes, self.bits)]
+
+    def _decode_tiles(self, parts: dict[str, torch.Tensor], count: int, tile: int) -> torch.Tensor:
+        """The rotated rest, one tile per row, from the parts `_encode_tiles` made."""
+        scales = from_bytes(parts["scales"], torch.bfloat16, count // tile).float().unsqueeze(1)
+        codes = unpack_bits(parts["codes"], self.bits, count).view(-1, tile)
+        return codes_to_values(codes, scales, (1 << self.bits) - 1)
 
     def payload_nbytes(self, shape, dtype):
         return sum(self._sizes(shape).values())
@@ -108,16 +131,9 @@ class HadamardOutliersCodec(Codec):
         index = rest.abs().topk(k, dim=-1).indices if k else rest.new_zeros(rest.shape[0], 0, dtype=torch.long)
         outlier_values = rest.gather(-1, index).to(torch.bfloat16)
         rest.scatter_(-1, index, 0.0)
-        tiles = self._rotation.rotate(rest).reshape(-1, tile_size(hidden, self.group_size))
-        scales = (tiles.abs().amax(dim=1) * _SCALE_ROUND_UP).to(torch.bfloat16)
-        generator = None
-        if self.rounding == "stochastic":
-            generator = seeded_generator(x.device, self.seed, self.calls)
-            self.calls += 1
-        codes = values_to_codes(tiles, scales.float().unsqueeze(1), (1 << self.bits) - 1, generator)
+        tiles = self._rotation.rotate(rest).reshape(-1, self._tile(hidden))
         return torch.cat([as_bytes(sink.to(torch.int32)), as_bytes(sink_values), as_bytes(mean),
-                          as_bytes(index.to(torch.int16)), as_bytes(outlier_values), as_bytes(scales),
-                          pack_bits(codes, self.bits)])
+                          as_bytes(index.to(torch.int16)), as_bytes(outlier_values), *self._encode_tiles(tiles)])
 
     def decode(self, payload, shape, dtype):
         rows, tokens, hidden = self._dims(shape)
@@ -128,10 +144,8 @@ class HadamardOutliersCodec(Codec):
         for key, nbytes in sizes.items():
             parts[key] = payload[offset:offset + nbytes]
             offset += nbytes
-        n, k, tile = rows * tokens, min(self.outliers, hidden - 1), tile_size(hidden, self.group_size)
-        scales = from_bytes(parts["scales"], torch.bfloat16, n * hidden // tile).float().unsqueeze(1)
-        codes = unpack_bits(parts["codes"], self.bits, n * hidden).view(-1, tile)
-        out = self._rotation.unrotate(codes_to_values(codes, scales, (1 << self.bits) - 1).reshape(n, hidden))
+        n, k = rows * tokens, min(self.outliers, hidden - 1)
+        out = self._rotation.unrotate(self._decode_tiles(parts, n * hidden, self._tile(hidden)).reshape(n, hidden))
         index = from_bytes(parts["outlier_index"], torch.int16, n * k).reshape(n, k).long()
         out.scatter_(-1, index, from_bytes(parts["outlier"], torch.bfloat16, n * k).reshape(n, k).float())
         out = (out + from_bytes(parts["mean"], torch.float16, hidden).float()).reshape(rows, tokens, hidden)

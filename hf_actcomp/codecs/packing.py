@@ -52,3 +52,46 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
     codes = (words.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
     return codes.reshape(-1)[:count].to(torch.uint8)
+
+
+def digits_per_word(levels: int) -> tuple[int, int]:
+    """(digits, bits) of the densest word holding up to 8 base-`levels` digits: 11 levels -> (2, 7),
+    3.5 bits a digit where one digit alone would take 4; 13 -> (4, 15); 9 -> (5, 16)."""
+    best = min(range(1, 9), key=lambda g: ((levels**g - 1).bit_length() / g, g))
+    return best, (levels**best - 1).bit_length()
+
+
+def packed_digits_nbytes(count: int, levels: int) -> int:
+    """Bytes that `count` base-`levels` digits take when packed by `pack_digits`."""
+    digits, bits = digits_per_word(levels)
+    return -(-(-(-count // digits) * bits) // 8)
+
+
+def pack_digits(codes: torch.Tensor, levels: int) -> torch.Tensor:
+    """Pack codes < `levels` jointly: `digits_per_word` of them form one base-`levels` word of
+    `bits` bits, and the words are written back to back, least significant bit first. For a level
+    count that is not a power of two this beats `pack_bits` (11 levels: 3.5 bits a code, not 4)."""
+    digits, bits = digits_per_word(levels)
+    codes = codes.reshape(-1).to(torch.int64)
+    pad = (-codes.numel()) % digits
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    place = levels ** torch.arange(digits, device=codes.device, dtype=torch.int64)
+    words = (codes.view(-1, digits) * place).sum(dim=1)
+    stream = ((words.unsqueeze(1) >> torch.arange(bits, device=codes.device)) & 1).to(torch.uint8).reshape(-1)
+    pad = (-stream.numel()) % 8
+    if pad:
+        stream = torch.cat([stream, stream.new_zeros(pad)])
+    return (stream.view(-1, 8) << torch.arange(8, device=codes.device, dtype=torch.uint8)).sum(dim=1,
+                                                                                               dtype=torch.uint8)
+
+
+def unpack_digits(packed: torch.Tensor, levels: int, count: int) -> torch.Tensor:
+    """Inverse of `pack_digits`: the first `count` codes as uint8."""
+    digits, bits = digits_per_word(levels)
+    words_count = -(-count // digits)
+    stream = (packed.unsqueeze(1) >> torch.arange(8, device=packed.device, dtype=torch.uint8)) & 1
+    stream = stream.reshape(-1)[:words_count * bits].view(-1, bits).to(torch.int64)
+    words = (stream << torch.arange(bits, device=packed.device)).sum(dim=1)
+    place = levels ** torch.arange(digits, device=packed.device, dtype=torch.int64)
+    return ((words.unsqueeze(1) // place) % levels).reshape(-1)[:count].to(torch.uint8)
