@@ -98,20 +98,23 @@ class HadamardCodebookCodec(HadamardOutliersCodec):
         # The smallest step q whose scale top * 2^(-q/16) is not below the tile's max-abs.
         first = torch.floor(-torch.log2(ratio) * SCALE_STEPS_PER_OCTAVE).clamp_(0, 255)
         first = first - (_scale(top, first) < amax).float()  # float rounding: never clip by accident
-        best_err = best_q = best_codes = None
-        for step in CLIP_STEPS:
-            q = (first + step).clamp(0, 255)
-            scale = _scale(top, q).unsqueeze(1)
-            codes = torch.bucketize(torch.where(scale > 0, tiles / scale, 0.0).clamp_(-1, 1), edges)
-            err = (table[codes] * scale - tiles).square_().sum(dim=1)
+        unit = _scale(top, first).unsqueeze(1)
+        values = torch.where(unit > 0, tiles / unit, 0.0)  # |values| <= 1: the tile in units of its first scale
+        best_err = best_step = best_codes = None
+        for step in CLIP_STEPS:  # a scale 2^(-step/16) of the first: clipped codes, finer levels
+            shrink = 2.0 ** (-step / SCALE_STEPS_PER_OCTAVE)
+            codes = torch.bucketize((values / shrink).clamp_(-1, 1), edges, out_int32=True)
+            err = (table.mul(shrink)[codes] - values).square_().sum(dim=1)  # in units of the first scale
+            codes = codes.to(torch.uint8)
             if best_err is None:
-                best_err, best_q, best_codes = err, q, codes
+                best_err, best_step, best_codes = err, torch.zeros_like(err), codes
             else:
                 better = err < best_err
                 best_err = torch.where(better, err, best_err)
-                best_q = torch.where(better, q, best_q)
+                best_step = torch.where(better, float(step), best_step)
                 best_codes = torch.where(better.unsqueeze(1), codes, best_codes)
-        return [as_bytes(top.float()), best_q.clamp(0, 255).to(torch.uint8), pack_digits(best_codes, self.levels)]
+        q = (first + best_step).clamp_(0, 255).to(torch.uint8)
+        return [as_bytes(top.float()), q, pack_digits(best_codes, self.levels)]
 
     def _decode_tiles(self, parts: dict[str, torch.Tensor], count: int, tile: int) -> torch.Tensor:
         top = from_bytes(parts["top_scale"], torch.float32, 1)

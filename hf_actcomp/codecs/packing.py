@@ -61,37 +61,50 @@ def digits_per_word(levels: int) -> tuple[int, int]:
     return best, (levels**best - 1).bit_length()
 
 
+def _word_chunks(bits: int) -> list[int]:
+    """A word of `bits` bits is written as chunks of 8 bits and a last one of the rest."""
+    return [8] * (bits // 8) + ([bits % 8] if bits % 8 else [])
+
+
 def packed_digits_nbytes(count: int, levels: int) -> int:
     """Bytes that `count` base-`levels` digits take when packed by `pack_digits`."""
     digits, bits = digits_per_word(levels)
-    return -(-(-(-count // digits) * bits) // 8)
+    return sum(packed_nbytes(-(-count // digits), chunk) for chunk in _word_chunks(bits))
 
 
 def pack_digits(codes: torch.Tensor, levels: int) -> torch.Tensor:
     """Pack codes < `levels` jointly: `digits_per_word` of them form one base-`levels` word of
-    `bits` bits, and the words are written back to back, least significant bit first. For a level
-    count that is not a power of two this beats `pack_bits` (11 levels: 3.5 bits a code, not 4)."""
+    `bits` bits (11 levels: 2 codes in 7 bits, 3.5 bits a code where `pack_bits` takes 4). Words
+    of up to 8 bits are packed by `pack_bits`; a longer word's bytes go first, each as a byte
+    stream, then its remaining bits packed."""
     digits, bits = digits_per_word(levels)
-    codes = codes.reshape(-1).to(torch.int64)
+    codes = codes.reshape(-1)
     pad = (-codes.numel()) % digits
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
-    place = levels ** torch.arange(digits, device=codes.device, dtype=torch.int64)
-    words = (codes.view(-1, digits) * place).sum(dim=1)
-    stream = ((words.unsqueeze(1) >> torch.arange(bits, device=codes.device)) & 1).to(torch.uint8).reshape(-1)
-    pad = (-stream.numel()) % 8
-    if pad:
-        stream = torch.cat([stream, stream.new_zeros(pad)])
-    return (stream.view(-1, 8) << torch.arange(8, device=codes.device, dtype=torch.uint8)).sum(dim=1,
-                                                                                               dtype=torch.uint8)
+    if digits == 1:
+        words = codes
+    else:
+        place = levels ** torch.arange(digits, device=codes.device, dtype=torch.int64)
+        words = (codes.view(-1, digits).to(torch.int64) * place).sum(dim=1)
+    parts, shift = [], 0
+    for chunk in _word_chunks(bits):
+        parts.append(pack_bits((words >> shift) & ((1 << chunk) - 1) if shift or chunk < bits else words, chunk))
+        shift += chunk
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def unpack_digits(packed: torch.Tensor, levels: int, count: int) -> torch.Tensor:
     """Inverse of `pack_digits`: the first `count` codes as uint8."""
     digits, bits = digits_per_word(levels)
     words_count = -(-count // digits)
-    stream = (packed.unsqueeze(1) >> torch.arange(8, device=packed.device, dtype=torch.uint8)) & 1
-    stream = stream.reshape(-1)[:words_count * bits].view(-1, bits).to(torch.int64)
-    words = (stream << torch.arange(bits, device=packed.device)).sum(dim=1)
+    words, shift, offset = None, 0, 0
+    for chunk in _word_chunks(bits):
+        nbytes = packed_nbytes(words_count, chunk)
+        part = unpack_bits(packed[offset:offset + nbytes], chunk, words_count)
+        words = part if words is None else words | (part.to(torch.int64) << shift)
+        shift, offset = shift + chunk, offset + nbytes
+    if digits == 1:
+        return words[:count].to(torch.uint8)
     place = levels ** torch.arange(digits, device=packed.device, dtype=torch.int64)
-    return ((words.unsqueeze(1) // place) % levels).reshape(-1)[:count].to(torch.uint8)
+    return ((words.to(torch.int64).unsqueeze(1) // place) % levels).reshape(-1)[:count].to(torch.uint8)
