@@ -225,7 +225,8 @@ def time_table(summary: list[dict], categories: tuple[str, ...]) -> list[str]:
         return []
     n = len(rows[0]["steady_state"]["stages"])
     lines = table(
-        "Where the time goes in the steady state (from the second epoch on, AQ-SGD's memory full; median round by "
+        "Where the time goes in the steady state (from the second epoch on, AQ-SGD's memory full; a one-epoch run "
+        "from its second step; median round by "
         "training time): seconds per step of each stage computing (forward, backward, encoding, decoding) and "
         "waiting on its peers, and MB sent per step by category over all ranks (the peer's are the tensor sizes: "
         "fp32 activations, their gradients, and the all-reduce of the tied weight; auto's probe ran in the first "

@@ -321,6 +321,10 @@ def run(name: str, data, args) -> dict:
             optimizer.step()
             optimizer.zero_grad()
             step += 1
+            if epochs == 1 and step == 1 and pipe is not None:  # one epoch: the steady state from step 2 on
+                clock.stop()
+                after_first_epoch = (step, world_stats(pipe))
+                clock.start()
             if step % args.eval_every == 0 or step in (epochs * len(loader), last_step):
                 clock.stop()
                 curve.append(dict(seconds=clock.seconds, step=step, eval_loss=evaluate(state()),
