@@ -6,8 +6,7 @@ before any scale or index. Three changes fit as much quality into fewer bits:
 
 - **a codebook, not a grid.** After the Hadamard rotation a tile's values are close to Gaussian;
   scaled by the tile's max-abs they crowd around zero. The levels are the Lloyd-Max quantizer of
-  that distribution (`gaussian_codebook`), an odd number of them so that zero is one: on SmolLM2
-  an odd count matters more than a level more (11 levels beat 12 and match 15).
+  that distribution (`gaussian_codebook`), an odd number of them so that zero is one.
 - **joint packing.** A non-power-of-two count of levels packs several values into one word
   (`pack_digits`): 11 levels take 3.5 bits a value, 13 levels 3.71.
 - **fitted 8-bit scales.** Each tile's scale is one byte, a power 2^(-q/16) of the message's

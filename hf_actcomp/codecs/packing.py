@@ -56,7 +56,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 def digits_per_word(levels: int) -> tuple[int, int]:
     """(digits, bits) of the densest word holding up to 8 base-`levels` digits: 11 levels -> (2, 7),
-    3.5 bits a digit where one digit alone would take 4; 13 -> (4, 15); 9 -> (5, 16)."""
+    3.5 bits a digit where one digit alone would take 4; 13 -> (7, 26); 9 -> (5, 16)."""
     best = min(range(1, 9), key=lambda g: ((levels**g - 1).bit_length() / g, g))
     return best, (levels**best - 1).bit_length()
 
