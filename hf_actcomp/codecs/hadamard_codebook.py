@@ -97,7 +97,7 @@ class HadamardCodebookCodec(HadamardOutliersCodec):
         # The smallest step q whose scale top * 2^(-q/16) is not below the tile's max-abs.
         first = torch.floor(-torch.log2(ratio) * SCALE_STEPS_PER_OCTAVE).clamp_(0, 255)
         first = first - (_scale(top, first) < amax).float()  # float rounding: never clip by accident
-        unit = _scale(top, first).unsqueeze(1)
+        unit = _scale(top, first).unsqueeze(1)  # the first scale, as the decoder computes it
         values = torch.where(unit > 0, tiles / unit, 0.0)  # |values| <= 1: the tile in units of its first scale
         best_err = best_step = best_codes = None
         for step in CLIP_STEPS:  # a scale 2^(-step/16) of the first: clipped codes, finer levels
