@@ -45,10 +45,15 @@ def settings() -> dict[str, tuple[Compression, Compression]]:
         "bf16 fw/bw (noise floor)": (Compression("bf16"), Compression("bf16")),
         "aqsgd fw2/bw4 warm-up h4": (Compression("aqsgd", bits=2, first_visit=WARM_UP), q(4)),
         "aqsgd fw4/bw8 warm-up h4": (Compression("aqsgd", bits=4, first_visit=WARM_UP), q(8)),
+        # The same with hadamard_outliers' 4 bits on first visits (the Hadamard-4 warm-up trails on SmolLM2).
+        "aqsgd fw4/bw8 warm-up h_o4": (Compression("aqsgd", bits=4, first_visit=Compression("hadamard_outliers", bits=4)),
+                                       q(8)),
         "hadamard fw4/bw8": (Compression("hadamard", bits=4), Compression("hadamard", bits=8)),
         "quantize fw3/bw6": (q(3), q(6)),
         "hadamard_outliers fw4/bw8": (Compression("hadamard_outliers", bits=4), q(8)),
         "hadamard_outliers fw3/bw6": (Compression("hadamard_outliers", bits=3), q(6)),
+        # The 8x stateless codec (11 levels, ~4 bits a value) at training time.
+        "hadamard_codebook11 fw/bw8": (Compression("hadamard_codebook", levels=11), q(8)),
         # AQ-SGD whose deltas go through hadamard_outliers (quantize's groups break on massive values).
         "aqsgd-h_o fw4/bw8 warm-up h_o4": (_aqsgd_outliers(4), q(8)),
         "aqsgd-h_o fw2/bw4 warm-up h_o4": (_aqsgd_outliers(2), q(4)),

@@ -40,7 +40,7 @@ import hf_actcomp  # noqa: E402
 from hf_actcomp import MemoryConfig, Plan  # noqa: E402
 
 QUESTION = "Write the first sentence of this Python function's docstring.\n\n```python\n{code}\n```"
-SETTINGS = ("none", "aqsgd fw4/bw8 warm-up h4", "aqsgd-h_o fw4/bw8 warm-up h_o4", "aqsgd-h_o fw2/bw4 warm-up h_o4",
+SETTINGS = ("none", "aqsgd fw4/bw8 warm-up h_o4", "aqsgd-h_o fw4/bw8 warm-up h_o4", "aqsgd-h_o fw2/bw4 warm-up h_o4",
             "hadamard_outliers fw4/bw8", "hadamard_outliers fw3/bw6")
 
 

@@ -75,6 +75,9 @@ METHODS: dict[str, tuple | None] = {
     # AQ-SGD with its deltas (and warm-up) through hadamard_outliers: what a real model's massive values need.
     "ours, AQ-SGD(h_o) fw4/bw8, warm-up h_o4, tie q8": (aq_outliers(4), q(8), q(8)),
     "ours, AQ-SGD(h_o) fw2/bw4, warm-up h_o4, tie q8": (aq_outliers(2), q(4), q(8)),
+    # quantize's 4-bit deltas after a hadamard_outliers-4 warm-up (the Hadamard-4 one trails on SmolLM2).
+    "ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q8": (Compression("aqsgd", bits=4, first_visit=Compression(
+        "hadamard_outliers", bits=4)), q(8), q(8)),
     # The same codecs under zero-bubble H1 instead of 1F1B (a name ending in ZBH1).
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" + (ZBH1 := ", zbh1"): (warm(2), q(4), q(4)),
     "ours, AQ-SGD fw4/bw8, warm-up h4, tie q8" + ZBH1: (warm(4), q(8), q(8)),

@@ -146,7 +146,7 @@ def test_safe_keeps_to_what_held_on_the_real_model_and_charges_the_tie():
                           for d in ("forward", "backward")) + cheapest["tie"]["step_cost_seconds"]
     assert safe["best_step_seconds"] == pytest.approx(best) == pytest.approx(0.4083, abs=1e-4)
     picked = [(safe["boundaries"][1][d]["codec"], safe["boundaries"][1][d]["extra_steps"]) for d in ("forward", "backward")]
-    assert picked == [("aqsgd-quantize4 (warm-up hadamard4)", 0.0), ("quantize8", 0.0)]
+    assert picked == [("aqsgd-quantize4 (warm-up hadamard_outliers4)", 0.0), ("quantize8", 0.0)]
     assert (safe["tie"]["codec"], safe["tie"]["extra_steps"]) == ("quantize4", EXTRA_STEPS["safe"])
     assert quick["tie"]["extra_steps"] == 0.0
     assert [quick["boundaries"][1][d]["codec"] for d in ("forward", "backward")] == [
@@ -157,7 +157,7 @@ def test_safe_keeps_to_what_held_on_the_real_model_and_charges_the_tie():
                             payload_shape=SHAPE, micro_batches=4)
     slow_run = choose(one_link, AutoConfig(aqsgd=True))
     assert [slow_run["boundaries"][0][d]["codec"] for d in ("forward", "backward")] == [
-        "aqsgd-quantize4 (warm-up hadamard4)", "quantize8"]
+        "aqsgd-quantize4 (warm-up hadamard_outliers4)", "quantize8"]
     assert slow_run["boundaries"][0]["forward"]["extra_steps"] == 0.0 and "charged" not in describe(slow_run)
     assert [choose(one_link, AutoConfig(aqsgd=True, quality="fast"))["boundaries"][0][d]["codec"]
             for d in ("forward", "backward")] == ["aqsgd-hadamard_outliers2 (warm-up hadamard_outliers4)", "quantize4"]
@@ -307,7 +307,7 @@ def test_estimate_auto_shows_the_choice_for_given_links(tmp_path, capsys):
     assert "boundary 1 backward on 10 Mbit/s, 20 ms RTT: quantize6" in out
     assert main(cmd + ["--json", "--aqsgd"]) == 0
     decision = json.loads(capsys.readouterr().out)
-    assert decision["boundaries"][1]["forward"]["codec"] == "aqsgd-quantize4 (warm-up hadamard4)"
+    assert decision["boundaries"][1]["forward"]["codec"] == "aqsgd-quantize4 (warm-up hadamard_outliers4)"
     assert main(cmd + ["--json", "--aqsgd", "--quality", "fast"]) == 0  # 2 bits: not charged in steps
     decision = json.loads(capsys.readouterr().out)
     assert decision["boundaries"][1]["forward"]["codec"] == "aqsgd-hadamard_outliers2 (warm-up hadamard_outliers4)"
@@ -385,7 +385,7 @@ def test_adapted_run_is_exact_until_it_switches_and_keeps_aqsgd_memory(tmp_path)
         assert r["seen"] == [None, None, 4, 8, 12, 16]
         switches = [(s["optimizer_step"], s["channel"], s["to"], s["memory"]) for s in r["stats"]["auto"]["switches"]]
         assert switches == [
-            (2, "boundary0.forward", "aqsgd-quantize4 (warm-up hadamard4)", "AQ-SGD memory started empty"),
+            (2, "boundary0.forward", "aqsgd-quantize4 (warm-up hadamard_outliers4)", "AQ-SGD memory started empty"),
             (2, "boundary0.backward", "quantize6", ""),
             (4, "boundary0.forward", "aqsgd-hadamard_outliers2 (warm-up hadamard_outliers4)", "AQ-SGD memory kept"),
             (4, "boundary0.backward", "quantize4", "")]

@@ -402,6 +402,30 @@ def test_hadamard_codebook_clips_a_lone_extreme_value(monkeypatch):
     assert fitted < 0.95 * _relative_error(make_codec("hadamard_codebook", levels=5, outliers=0), x)
 
 
+def test_hadamard_codebook_picks_each_tiles_best_scale_and_nearest_levels(monkeypatch):
+    """Per tile, the sent scale's squared error is the least of the trial scales' (max-abs alone is
+    one of them), and every value decodes to the level nearest it at that scale."""
+    import hf_actcomp.codecs.hadamard_codebook as module
+    codec = make_codec("hadamard_codebook", levels=7, outliers=0)
+    tiles = torch.randn(256, 32, generator=torch.Generator().manual_seed(1))
+    tiles[::3, 5] *= 4  # a lone extreme value in every third tile
+
+    def decoded(c):
+        top, scales, codes = c._encode_tiles(tiles.clone())
+        parts = {"top_scale": top, "scales": scales, "codes": codes}
+        return c._decode_tiles(parts, tiles.numel(), 32), module._scale(module.from_bytes(top, torch.float32, 1),
+                                                                          scales.float()).unsqueeze(1)
+
+    fitted, scale = decoded(codec)
+    levels = torch.tensor(module.gaussian_codebook(7, 32)) * scale  # (tiles, 7) per tile's scale
+    nearest = levels.gather(1, (tiles.unsqueeze(2) - levels.unsqueeze(1)).abs().argmin(dim=2))
+    assert ((fitted - tiles).abs() <= (nearest - tiles).abs() + 1e-5).all()
+    monkeypatch.setattr(module, "CLIP_STEPS", (0,))
+    max_abs, _ = decoded(codec)
+    fitted_err, max_abs_err = ((d - tiles).square().sum(dim=1) for d in (fitted, max_abs))
+    assert (fitted_err <= max_abs_err * (1 + 1e-5)).all() and (fitted_err < 0.9 * max_abs_err)[::3].float().mean() > 0.5
+
+
 def test_hadamard_codebook_levels_are_checked_by_name():
     from hf_actcomp import Compression
     with pytest.raises(ValueError, match=r"Compression.levels=12 is not valid. Allowed values: 3, 5, 7, 9, 11, 13, 15\."):

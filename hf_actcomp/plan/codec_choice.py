@@ -43,7 +43,11 @@ from ..feedback import build_codec
 from . import AutoConfig, Compression
 
 NONE = Compression()
-WARM_UP = Compression("hadamard", bits=4)  # AQ-SGD first visits (docs/quality.md, compressed warm-up)
+# AQ-SGD's first visits (docs/quality.md, compressed warm-up). On SmolLM2 `hadamard_outliers` 4 bits:
+# the plain Hadamard-4 warm-up trailed uncompressed by 0.3-0.4% through a one-epoch fine-tune
+# (benchmarks/results/time_to_quality_smollm2_5mbit_1epoch.md), this one ends within 0.05% in every
+# seed at 2 and 4 stages (real_model_finetune.md, "aqsgd fw4/bw8 warm-up h_o4").
+WARM_UP = Compression("hadamard_outliers", bits=4)
 
 
 def _quantize(bits: int) -> Compression:
@@ -61,7 +65,7 @@ def _aqsgd(bits: int) -> Compression:
 def _aqsgd_outliers(bits: int) -> Compression:
     """AQ-SGD whose deltas and warm-up go through `hadamard_outliers`: at 2 bits quantize's deltas
     break on a real LLM's massive values (docs/real_model.md), these hold."""
-    return Compression("aqsgd", inner="hadamard_outliers", bits=bits, first_visit=_outliers(4))
+    return Compression("aqsgd", inner="hadamard_outliers", bits=bits, first_visit=WARM_UP)
 
 
 # Least to most compression. Quality levels (AutoConfig.quality): "safe" = within 0.3% of `none`

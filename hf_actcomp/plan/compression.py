@@ -73,9 +73,10 @@ class Compression:
             that channel's delta and its levels swamp the rest (docs/real_model.md).
         first_visit: what AQ-SGD sends the first time a sample is seen: `full` (uncompressed, as
             the reference code's warm-up epoch), `direct` (the inner codec on the activation), or a
-            stateless `Compression` (a compressed warm-up, e.g. `Compression("hadamard", bits=4)`:
-            its decoded value becomes the sample's memory entry, which later deltas correct). A
-            dict (from JSON or YAML) is read as a `Compression`.
+            stateless `Compression` (a compressed warm-up, e.g. `Compression("hadamard_outliers",
+            bits=4)`, `Plan.auto`'s: it holds on a real LLM's activations): its decoded value
+            becomes the sample's memory entry, which later deltas correct. A dict (from JSON or
+            YAML) is read as a `Compression`.
         inference: what this direction sends at inference (evaluation, `compressed_inference`,
             split `generate`), where AQ-SGD has no memory: `auto` (default: the training codec
             where it was measured to hold within 1% on a real LLM, else `hadamard_outliers` at 6
