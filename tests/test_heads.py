@@ -297,8 +297,10 @@ def test_trainer_in_one_process_matches_plain_trainer_for_a_classifier(tmp_path,
     assert got_eval["eval_loss"] == pytest.approx(want_eval["eval_loss"], rel=1e-5)
     assert got_eval["eval_plain_loss"] == pytest.approx(want_eval["eval_loss"], rel=1e-5)  # identity codec
     assert not any(k.endswith(("token_loss", "perplexity")) for k in got_eval)  # no per-token means
+    # Weights to 1e-4 as tests/scripts.py's assert_same_run: Adam's normalised step turns rounding in
+    # an embedding row's near-zero gradient into a step-sized difference (1.06e-5 on an AMD EPYC).
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.detach(), reference.get_parameter(name).detach(), rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(p.detach(), reference.get_parameter(name).detach(), rtol=0, atol=1e-4, msg=name)
 
 
 def test_compressed_inference_and_lora_take_a_classifier():
