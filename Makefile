@@ -66,7 +66,7 @@ REAL_TTQ_2EPOCH = --model smollm2 --rate 5 --train_samples 96 --eval_samples 16 
 	--name time_to_quality_smollm2_5mbit_2epoch --methods "torch.distributed.pipelining" "ours, uncompressed" \
 	"ours, AQ-SGD fw4/bw8, warm-up h4, tie q8" "ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q8" \
 	"ours, AQ-SGD(h_o) fw2/bw4, warm-up h_o4, tie q8" "ours, hadamard_outliers fw4/bw8, tie q8"
-bench-real-model-time-to-quality: setup  # SmolLM2-135M at 5 Mbit/s against torch pipelining (as root: namespaces and tc; ~25 min a round)
+bench-real-model-time-to-quality: setup  # SmolLM2-135M at 5 Mbit/s against torch pipelining (as root: namespaces and tc; 25-35 min a round)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_1EPOCH)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_2EPOCH)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ)
