@@ -77,7 +77,8 @@ def run(name: str, stages: int, seed: int, data, args) -> dict:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(smollm2.smollm2_dir(), dtype=torch.float32)
     plan = Plan(num_stages=stages, micro_batches=args.micro_batches, schedule="gpipe", forward=forward,
-                backward=backward, memory=MemoryConfig(store="host", dtype="fp16"))
+                backward=backward, memory=MemoryConfig(store="host", dtype="fp16"),
+                tie_compression=finetune.TIES.get(name))
     with tempfile.TemporaryDirectory() as out:
         trainer = hf_actcomp.ActCompDPOTrainer(model=model, ref_model=copy.deepcopy(model),
                                                args=dpo_config(out, seed, args), train_dataset=train,
@@ -91,7 +92,8 @@ def run(name: str, stages: int, seed: int, data, args) -> dict:
         metrics = trainer.evaluate()
     steps = len(logs)
     row = {"setting": name, "stages": stages, "seed": seed, "forward": forward.describe(),
-           "backward": backward.describe(), "eval_loss": metrics["eval_loss"],
+           "backward": backward.describe(), "tie": finetune.describe_tie(plan.tie_compression),
+           "eval_loss": metrics["eval_loss"],
            "eval_accuracy": metrics["eval_rewards/accuracies"], "eval_margin": metrics["eval_rewards/margins"],
            "bytes_per_step": {c: v["bytes_sent"] / steps for c, v in categories.items()},
            "train_curve": [log["loss"] for log in logs], "seconds": seconds}

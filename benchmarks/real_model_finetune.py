@@ -5,7 +5,8 @@ Per (stages, setting, seed): a fresh copy of the model from the fixture (benchma
 AdamW, the same batches in the same order for every setting of a seed; after the last epoch the
 held-out eval loss with plain inference (the trained weights) and through the plan's inference
 form (`compressed_inference`, `Compression.inference="auto"`). Bytes per step are the boundary
-traffic `simulate` counts (activations and their gradients; the tied embedding's rows apart).
+traffic `simulate` counts (activations and their gradients); the tied embedding's rows apart: in
+the TIES settings they cross compressed (`Plan.tie_compression`) and the row says their bytes.
 
     python benchmarks/real_model_finetune.py --stages 2 --seeds 0 1 2        # ~3 min per run here
     python benchmarks/real_model_finetune.py --stages 4 --seeds 0 1 2 --merge  # add rows to the file
@@ -36,8 +37,29 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 WARM_UP = Compression("hadamard", bits=4)
 
 
+# Settings whose tied embedding rows (SmolLM2's input embedding is its head) cross compressed too
+# (`Plan.tie_compression`): the ladders' tie rungs on each ladder's strongest pair. The boundary
+# codecs are those of the setting named before " + tie ".
+TIES = {"aqsgd fw4/bw8 warm-up h_o4 + tie q8": Compression("quantize", bits=8),
+        "aqsgd fw4/bw8 warm-up h_o4 + tie q4": Compression("quantize", bits=4),
+        "aqsgd-h_o fw2/bw4 warm-up h_o4 + tie q4": Compression("quantize", bits=4),
+        "hadamard_outliers fw3/bw6 + tie q8": Compression("quantize", bits=8)}
+
+
 def settings() -> dict[str, tuple[Compression, Compression]]:
-    """The plans README, the docs and `Plan.auto`'s ladders recommend (forward, backward)."""
+    """The plans README, the docs and `Plan.auto`'s ladders recommend (forward, backward); the
+    tie codec of a TIES setting is `TIES[name]`."""
+    boundaries = boundary_settings()
+    return {**boundaries, **{name: boundaries[name.split(" + tie ")[0]] for name in TIES}}
+
+
+def describe_tie(tie: Compression | None) -> str:
+    """A row's "tie": the codec of the tied rows, or "exact"."""
+    return "exact" if tie is None else tie.describe()
+
+
+def boundary_settings() -> dict[str, tuple[Compression, Compression]]:
+    """The settings with exact tied rows."""
     q = lambda bits: Compression("quantize", bits=bits)  # noqa: E731
     return {
         "none": (Compression(), Compression()),
@@ -65,12 +87,14 @@ def _aqsgd_outliers(bits: int) -> Compression:
 
 
 def train_simulated(model, forward: Compression, backward: Compression, stages: int, seed: int, train, args,
-                    evaluate) -> dict:
+                    evaluate, tie: Compression | None = None) -> dict:
     """`model` fine-tuned through the stages of a plan (`simulate`, GPipe, AQ-SGD memory for the
-    training rows), AdamW, the seed's batch order: its plan, training curve, `evaluate()` after
-    each epoch (plain inference), seconds, and the boundary bytes sent / uncompressed."""
+    training rows, `tie` its `tie_compression`), AdamW, the seed's batch order: its plan, training
+    curve, `evaluate()` after each epoch (plain inference), seconds, the boundary bytes sent /
+    uncompressed, and the compressed tie's bytes sent (0 when exact: `simulate` sends none then)."""
     plan = Plan(num_stages=stages, micro_batches=args.micro_batches, schedule="gpipe", forward=forward,
-                backward=backward, memory=MemoryConfig(num_samples=len(train), store="host", dtype="fp16"))
+                backward=backward, memory=MemoryConfig(num_samples=len(train), store="host", dtype="fp16"),
+                tie_compression=tie)
     sim = hf_actcomp.simulate(model, plan)
     optimizer = torch.optim.AdamW(sim.parameters(), lr=args.lr)
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
@@ -80,9 +104,11 @@ def train_simulated(model, forward: Compression, backward: Compression, stages: 
     seconds = time.perf_counter() - start
     stats = sim.stats()
     boundary = [stats["categories"][c] for c in ("activations", "activation_gradients")]
+    tie_traffic = stats["categories"].get("tie", {})  # only with a tie_compression
     model.eval()
     return {"plan": plan, "curve": curve, "epochs": epochs, "seconds": seconds,
-            "sent": sum(c["bytes_sent"] for c in boundary), "raw": sum(c["bytes_uncompressed"] for c in boundary)}
+            "sent": sum(c["bytes_sent"] for c in boundary), "raw": sum(c["bytes_uncompressed"] for c in boundary),
+            "tie_sent": tie_traffic.get("bytes_sent", 0), "tie_raw": tie_traffic.get("bytes_uncompressed", 0)}
 
 
 def finetune(name: str, stages: int, seed: int, data, args) -> dict:
@@ -92,16 +118,22 @@ def finetune(name: str, stages: int, seed: int, data, args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(smollm2.smollm2_dir(), dtype=torch.float32)
     evaluation = DataLoader(held_out, batch_size=8, collate_fn=default_data_collator)
     # The epochs' eval losses with plain inference: the trained weights, no boundary codec.
-    run = train_simulated(model, forward, backward, stages, seed, train, args, lambda: eval_loss(model, evaluation))
+    tie = TIES.get(name)
+    run = train_simulated(model, forward, backward, stages, seed, train, args, lambda: eval_loss(model, evaluation),
+                          tie)
     plan, curve, epoch_eval, seconds, sent, raw = (run[k] for k in ("plan", "curve", "epochs", "seconds", "sent", "raw"))
     with hf_actcomp.compressed_inference(model, plan) as inf:
         inference_form = eval_loss(inf, evaluation)
     row = {"setting": name, "stages": stages, "seed": seed, "forward": forward.describe(),
-           "backward": backward.describe(), "eval_loss": epoch_eval[-1], "epoch_eval_loss": epoch_eval,
+           "backward": backward.describe(), "tie": describe_tie(tie),
+           "eval_loss": epoch_eval[-1], "epoch_eval_loss": epoch_eval,
            "eval_loss_inference_form": inference_form,
            "inference_form": plan.forward.inference if isinstance(plan.forward.inference, str) else "explicit",
            "bytes_per_step": sent / len(curve), "bytes_per_step_uncompressed": raw / len(curve),
            "compression_ratio": raw / sent if sent else 1.0, "train_curve": curve, "seconds": seconds}
+    if tie is not None:  # the tie's rows apart from the boundary traffic (as the toy study's files)
+        row.update(tie_bytes_per_step=run["tie_sent"] / len(curve),
+                   tie_bytes_per_step_uncompressed=run["tie_raw"] / len(curve))
     print(f"S={stages} seed {seed} {name:28s} eval {row['eval_loss']:.4f} (inference form {inference_form:.4f}) "
           f"{row['bytes_per_step'] / 1e6:6.3f} MB/step {row['compression_ratio']:5.1f}x {seconds:5.0f} s", flush=True)
     return row
@@ -118,12 +150,15 @@ def summarise(rows: list[dict]) -> list[dict]:
                 if (stages, r["seed"]) in base]
         losses = [r["eval_loss"] for r in mine]
         out.append({"stages": stages, "setting": name, "forward": mine[0]["forward"], "backward": mine[0]["backward"],
+                    "tie": mine[0].get("tie", "exact"),
                     "seeds": sorted(r["seed"] for r in mine), "eval_loss": statistics.median(losses),
                     "eval_loss_min": min(losses), "eval_loss_max": max(losses),
                     "gap": statistics.median(gaps) if gaps else None, "gap_min": min(gaps) if gaps else None,
                     "gap_max": max(gaps) if gaps else None, "gap_inference_form": statistics.median(form) if form else None,
                     "bytes_per_step": statistics.median(r["bytes_per_step"] for r in mine),
                     "compression_ratio": statistics.median(r["compression_ratio"] for r in mine),
+                    "tie_bytes_per_step": statistics.median(r["tie_bytes_per_step"] for r in mine)
+                    if "tie_bytes_per_step" in mine[0] else None,
                     "seconds": statistics.median(r["seconds"] for r in mine)})
     return out
 
@@ -152,17 +187,19 @@ def write(rows: list[dict], meta: dict, name: str, title: str = "Fine-tuning Smo
         "eval loss through the plan's default inference form (`compressed_inference`, `inference=\"auto\"`). "
         f"{meta['machine']}.",
         "",
-        "| stages | setting | fw | bw | seeds | eval loss | gap vs none | through the inference form | MB/step "
-        "| vs fp32 | s/run |",
-        "|---:|---|---|---|---|---|---|---|---:|---:|---:|",
+        "| stages | setting | fw | bw | tie | seeds | eval loss | gap vs none | through the inference form | MB/step "
+        "| vs fp32 | tie MB/step | s/run |",
+        "|---:|---|---|---|---|---|---|---|---|---:|---:|---:|---:|",
     ]
     for s in summary:
         gap = "-" if s["setting"] == "none" or s["gap"] is None else \
             f"{s['gap']:+.2f}% [{s['gap_min']:+.2f}, {s['gap_max']:+.2f}]"
         form = "-" if s["gap_inference_form"] is None else f"{s['gap_inference_form']:+.2f}%"
-        lines.append(f"| {s['stages']} | {s['setting']} | {s['forward']} | {s['backward']} | {len(s['seeds'])} | "
-                     f"{s['eval_loss']:.4f} [{s['eval_loss_min']:.4f}-{s['eval_loss_max']:.4f}] | {gap} | {form} | "
-                     f"{s['bytes_per_step'] / 1e6:.3f} | {s['compression_ratio']:.1f}x | {s['seconds']:.0f} |")
+        tie_mb = "-" if s.get("tie_bytes_per_step") is None else f"{s['tie_bytes_per_step'] / 1e6:.3f}"
+        lines.append(f"| {s['stages']} | {s['setting']} | {s['forward']} | {s['backward']} | {s.get('tie', 'exact')} | "
+                     f"{len(s['seeds'])} | {s['eval_loss']:.4f} [{s['eval_loss_min']:.4f}-{s['eval_loss_max']:.4f}] | "
+                     f"{gap} | {form} | {s['bytes_per_step'] / 1e6:.3f} | {s['compression_ratio']:.1f}x | {tie_mb} | "
+                     f"{s['seconds']:.0f} |")
     write_markdown(RESULTS, name, lines)
 
 

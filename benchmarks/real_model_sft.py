@@ -110,7 +110,8 @@ def run(name: str, stages: int, seed: int, data, args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(smollm2.smollm2_dir(), dtype=torch.float32)
     tokenizer = smollm2.load_tokenizer()
     plan = Plan(num_stages=stages, micro_batches=args.micro_batches, schedule="gpipe", forward=forward,
-                backward=backward, memory=MemoryConfig(store="host", dtype="fp16"))
+                backward=backward, memory=MemoryConfig(store="host", dtype="fp16"),
+                tie_compression=finetune.TIES.get(name))
     with tempfile.TemporaryDirectory() as out:
         trainer = hf_actcomp.ActCompSFTTrainer(model=model, args=sft_config(out, seed, args), train_dataset=train,
                                                eval_dataset=held_out, processing_class=tokenizer, plan=plan)
@@ -126,7 +127,8 @@ def run(name: str, stages: int, seed: int, data, args) -> dict:
         inference_form = eval_loss(inf, DataLoader(evaluation, batch_size=None))
     steps = len(curve)
     row = {"setting": name, "stages": stages, "seed": seed, "forward": forward.describe(),
-           "backward": backward.describe(), "eval_loss": plain, "eval_loss_inference_form": inference_form,
+           "backward": backward.describe(), "tie": finetune.describe_tie(plan.tie_compression),
+           "eval_loss": plain, "eval_loss_inference_form": inference_form,
            "bytes_per_step": comm["comm/bytes_sent"] / steps, "bytes_per_step_uncompressed":
            comm["comm/bytes_uncompressed"] / steps, "compression_ratio": comm["comm/compression_ratio"],
            "train_curve": curve, "seconds": seconds}

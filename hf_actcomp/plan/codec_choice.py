@@ -112,14 +112,13 @@ def extra_steps(config: AutoConfig, kind: str, rung: Compression | None) -> floa
     return EXTRA_STEPS[config.quality]
 
 
-# The tied embedding's rows (GPT-2, OPT, Gemma: a first stage and a last stage sharing it), when
-# the plan leaves `tie_compression` unset: exact (None), 8 bits (+0.00% alone and with AQ-SGD
-# fw4/bw8), 4 bits only with AQ-SGD (measured with fw2/bw4 and the warm-up: +0.19%, worst +0.25%).
+# The tied embedding's rows (GPT-2, OPT, Gemma, SmolLM2: a first stage and a last stage sharing it),
+# when the plan leaves `tie_compression` unset: exact (None), 8 bits, 4 bits only with AQ-SGD. On
+# SmolLM2 (MEASURED, rows "... + tie q8/q4", 3 seeds, 2 and 4 stages) each ladder's strongest pair
+# with its strongest tie rung ends where it ends with exact rows: AQ-SGD fw4/bw8 + tie q4 and
+# AQ-SGD(hadamard_outliers) fw2/bw4 + tie q4 within +0.04% in every seed, hadamard_outliers fw3/bw6
+# + tie q8 below uncompressed. (Toy-model first measurement: finetune_quality_tie_warmup.json.)
 TIE_LADDERS = {False: [None, _quantize(8)], True: [None, _quantize(8), _quantize(4)]}
-
-# Measured on the toy model only (benchmarks/results/finetune_quality_tie_warmup.json): the tie's
-# rows were not yet measured on SmolLM2.
-TIE_MEASURED = "finetune_quality_tie_warmup"
 
 
 def ladder(config: AutoConfig, direction: str) -> list[Compression]:
