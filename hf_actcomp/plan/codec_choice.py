@@ -101,7 +101,9 @@ STEPS_MEASURED = ("time_to_quality_10mbit_rerun", "time_to_quality_20mbit_rerun"
                   "time_to_quality_auto_100mbit", "time_to_quality_auto_3stage_10mbit_mixed")
 EXTRA_STEPS = {"safe": 0.235, "fast": 0.0}
 # The 2-bit forward charge was measured with quantize's deltas (toy model); it goes to the 2-bit
-# rung that replaced them, unmeasured in steps on either model ("fast" charges nothing anyway).
+# rung that replaced them. On SmolLM2 that rung with 4-bit gradients (tie q8) reached each of three
+# time-to-quality targets at uncompressed's step, never after fw4/bw8 (time_to_quality_smollm2_5mbit_
+# {1,2,3}epoch: 24, 16, 36 steps): "fast"'s 0 holds there; no SmolLM2 run took a 4-bit tie to a target.
 STEP_COSTLY = {"forward": [_aqsgd_outliers(2)], "backward": [_quantize(4)], "tie": [_quantize(4)]}
 
 
