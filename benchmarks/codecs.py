@@ -27,6 +27,7 @@ import time
 import torch
 
 from hf_actcomp.codecs import make_codec
+from hf_actcomp.codecs.fused import fuse, fusible
 from hf_actcomp.codecs.sparsify import keep_count
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -81,17 +82,19 @@ def timed(fn, repeats: int, device: str) -> float:
 
 # The cases `--compile` also times compiled: the deterministic quantizers the plans use.
 COMPILED = [("quantize", dict(bits=4)), ("quantize", dict(bits=8)), ("hadamard", dict(bits=4)),
-            ("hadamard_outliers", dict(bits=4))]
+            ("hadamard_outliers", dict(bits=4)), ("hadamard_codebook", dict(levels=11))]
 
 
 def compiled_row(name, params, x, payload, out, repeats, device) -> dict:
-    """The codec's encode and decode under `torch.compile`, timed; whether the payload is the eager
-    one bit for bit, and how far the decoded tensor is from eager's (fused multiply-adds round
-    differently; AQ-SGD needs only that sender and receiver decode alike)."""
+    """The codec compiled as `compile=True` compiles it (`fuse`: FUSIBLE's methods; any other codec's
+    encode and decode whole), timed; whether the payload is the eager one bit for bit, and how far
+    the decoded tensor is from eager's (fused multiply-adds round differently; AQ-SGD needs only
+    that sender and receiver decode alike)."""
     encoder, decoder = make_codec(name, **params), make_codec(name, **params)
-    # dynamic=False: a codec's bit width and sizes are constants (torch 2.11 failed to trace the
-    # unpacking's `1 << bits` once it made them symbolic on a recompile).
-    encode, decode = torch.compile(encoder.encode, dynamic=False), torch.compile(decoder.decode, dynamic=False)
+    if fusible(encoder):
+        encode, decode = fuse(encoder).encode, fuse(decoder).decode
+    else:  # dynamic=False as in `fuse`: a codec's bit width and sizes are constants of the graph
+        encode, decode = torch.compile(encoder.encode, dynamic=False), torch.compile(decoder.decode, dynamic=False)
     started = time.perf_counter()
     try:
         got = encode(x)

@@ -184,6 +184,12 @@ def test_fused_quantizers_give_the_eager_payload():
         assert torch.equal(payload, eager.encode(x)), (name, params)
         assert torch.equal(fused.decode(payload, x.shape, x.dtype), eager.decode(payload, x.shape, x.dtype))
         assert counter.frame_count >= 2, (name, params, counter.frame_count)  # encode and decode compiled
+    # hadamard_codebook: only its search for the tiles' scales is compiled.
+    counter = CompileCounterWithBackend("aot_eager")
+    eager, fused = make_codec("hadamard_codebook", levels=11), fuse(make_codec("hadamard_codebook", levels=11),
+                                                                    {"backend": counter})
+    assert torch.equal(fused.encode(x), eager.encode(x)) and counter.frame_count == 1
+    assert "decode" not in vars(fused) and "encode" not in vars(fused)  # the rest stays eager
     for name, params in [("quantize", dict(bits=4, rounding="stochastic")), ("topk", dict(ratio=0.1)),
                          ("hadamard_outliers", dict(bits=4)), ("none", {})]:
         codec = make_codec(name, **params)
