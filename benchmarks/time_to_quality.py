@@ -75,7 +75,7 @@ from harness import (
 from safetensors.torch import save_file
 from slow_link import table
 from time_to_quality_worker import (
-    AUTO,
+    AUTOS,
     BASE,
     BASE_DP,
     DP_METHODS,
@@ -174,23 +174,23 @@ def baseline(rows: list[dict]) -> str:
 
 def fixed(summary: list[dict]) -> list[dict]:
     """The compressed methods with fixed settings (neither uncompressed nor auto)."""
-    return [s for s in summary if s["method"] not in (PEER, BASE, AUTO, PEER_DP, BASE_DP)]
+    return [s for s in summary if s["method"] not in (PEER, BASE, PEER_DP, BASE_DP, *AUTOS)]
 
 
-def auto_vs_fixed(rows: list[dict], summary: list[dict]) -> dict | None:
+def auto_vs_fixed(rows: list[dict], summary: list[dict], auto_method: str) -> dict | None:
     """Auto against the fixed setting with the shortest median time to target in the same run:
     the ratio of the medians with its range (`ratio_spread`), the per-round ratios (same round,
     run minutes apart), and against every fixed setting."""
-    auto = next((s for s in summary if s["method"] == AUTO), None)
+    auto = next((s for s in summary if s["method"] == auto_method), None)
     done = [s for s in fixed(summary) if s["seconds_to_target"] is not None]
     if auto is None or auto["seconds_to_target"] is None or not done:
         return None
     times = lambda method: [r["seconds_to_target"] for r in rows if r["method"] == method]  # noqa: E731
     by_round = lambda method: {r["round"]: r["seconds_to_target"] for r in rows if r["method"] == method}  # noqa: E731
-    mine = by_round(AUTO)
+    mine = by_round(auto_method)
     others = []
     for s in sorted(done, key=lambda s: s["seconds_to_target"]):
-        ratio, low, high = ratio_spread(times(AUTO), times(s["method"]))
+        ratio, low, high = ratio_spread(times(auto_method), times(s["method"]))
         theirs = by_round(s["method"])
         others.append(dict(method=s["method"], ratio=ratio, ratio_min=low, ratio_max=high,
                            per_round=[mine[k] / theirs[k] for k in sorted(mine) if k in theirs]))
@@ -359,17 +359,24 @@ def whole_run(rows: list[dict], summary: list[dict], categories: tuple[str, ...]
 
 
 def auto_section(rows: list[dict], summary: list[dict]) -> list[str]:
-    """What auto measured and chose in each round, what its probe cost, and auto against the
-    best fixed setting of the same run (the targets of issue 27: within 5% of it on a uniform
-    link, faster than every fixed setting on a mixed one)."""
-    mine = sorted((r for r in rows if r.get("auto")), key=lambda r: r["round"])
-    if not mine:
-        return []
+    """Per auto method of the run (`AUTOS`): what it measured and chose in each round, what its
+    probe cost, and it against the best fixed setting of the same run (the targets of issue 27:
+    within 5% of it on a uniform link, faster than every fixed setting on a mixed one)."""
+    lines = []
+    for method, quality in AUTOS.items():
+        mine = sorted((r for r in rows if r["method"] == method and r.get("auto")), key=lambda r: r["round"])
+        if mine:
+            lines += ([""] if lines else []) + auto_rounds(method, quality, mine, rows, summary)
+    return lines
+
+
+def auto_rounds(method: str, quality: str, mine: list[dict], rows: list[dict], summary: list[dict]) -> list[str]:
+    """`auto_section` for one auto method, whose rows (one a round) are `mine`."""
     boundaries = range(len(mine[0]["auto"]["boundaries"]))
     columns = ["round", *(f"boundary {b} forward / backward" for b in boundaries), "tie",
                *(f"boundary {b} measured fw / bw" for b in boundaries), "compute ms per micro-batch", "probe s",
                "probe MB", "seconds to target"]
-    lines = table("What auto measured and chose, per round (at its first step; `quality=\"safe\"`, `aqsgd=True`, "
+    lines = table(f"What {method} measured and chose, per round (at its first step; `quality=\"{quality}\"`, `aqsgd=True`, "
                   "the tie's codec left to it). Measured: bandwidth in Mbit/s and round trip in ms per boundary and "
                   "direction, as the probe saw them; compute: seconds per micro-batch (forward + backward) per "
                   "stage. The probe's seconds (the slowest stage's; inside the training seconds) and bytes "
@@ -384,13 +391,13 @@ def auto_section(rows: list[dict], summary: list[dict]) -> list[str]:
         seconds = "not reached" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.1f}"
         lines.append(f"| {r['round']} | {chosen} | {a['tie'] or 'as set'} | {measured} | {compute} | "
                      f"{a['probe_seconds']:.2f} | {a['probe_bytes'] / 1e6:.3f} | {seconds} |")
-    versus = auto_vs_fixed(rows, summary)
+    versus = auto_vs_fixed(rows, summary, method)
     if versus is None:
-        return lines + ["", "Auto or every fixed setting did not reach the target in every round: no ratio."]
+        return lines + ["", f"{method} or every fixed setting did not reach the target in every round: no ratio."]
     per_round = ", ".join(f"{x:.3f}" for x in versus["per_round"])
     within = versus["ratio"] <= 1.05
     faster = all(o["ratio"] < 1 for o in versus["every"]) and not versus["unreached"]
-    lines += ["", f"Auto / the best fixed setting of this run ({versus['best']}): **{versus['ratio']:.3f}** "
+    lines += ["", f"{method} / the best fixed setting of this run ({versus['best']}): **{versus['ratio']:.3f}** "
                   f"[{versus['ratio_min']:.3f}-{versus['ratio_max']:.3f}] (ratio of the median seconds to target, "
                   f"[auto's fastest round over its slowest, and the reverse]); per round {per_round}. Within 5% of "
                   f"it: **{'yes' if within else 'no'}**. Faster than every fixed setting (ratio of the medians under "

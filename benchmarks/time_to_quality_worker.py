@@ -51,11 +51,14 @@ from hf_actcomp.models import get_adapter
 PEER = "torch.distributed.pipelining"
 BASE = "ours, uncompressed"
 AUTO = "ours, auto"
+AUTO_FAST = "ours, auto (fast)"
+AUTOS = {AUTO: "safe", AUTO_FAST: "fast"}  # Plan.auto's quality per auto method
 q = lambda b: Compression("quantize", bits=b)  # noqa: E731
 h = lambda b: Compression("hadamard", bits=b)  # noqa: E731
 warm = lambda b: Compression("aqsgd", bits=b, first_visit=h(4))  # noqa: E731
 aq_outliers = lambda b: Compression("aqsgd", inner="hadamard_outliers", bits=b,  # noqa: E731
                                     first_visit=Compression("hadamard_outliers", bits=4))
+warm_o = lambda b: Compression("aqsgd", bits=b, first_visit=Compression("hadamard_outliers", bits=4))  # noqa: E731
 # (forward, backward[, tie_compression]) per method; the tie is exact where not given.
 METHODS: dict[str, tuple | None] = {
     PEER: None,
@@ -76,12 +79,15 @@ METHODS: dict[str, tuple | None] = {
     "ours, AQ-SGD(h_o) fw4/bw8, warm-up h_o4, tie q8": (aq_outliers(4), q(8), q(8)),
     "ours, AQ-SGD(h_o) fw2/bw4, warm-up h_o4, tie q8": (aq_outliers(2), q(4), q(8)),
     # quantize's 4-bit deltas after a hadamard_outliers-4 warm-up (the Hadamard-4 one trails on SmolLM2).
-    "ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q8": (Compression("aqsgd", bits=4, first_visit=Compression(
-        "hadamard_outliers", bits=4)), q(8), q(8)),
+    "ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q8": (warm_o(4), q(8), q(8)),
+    # The 4-bit tie on SmolLM2 ("safe"'s last rung with its charge in steps; "fast"'s strongest pair).
+    "ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q4": (warm_o(4), q(8), q(4)),
+    "ours, AQ-SGD(h_o) fw2/bw4, warm-up h_o4, tie q4": (aq_outliers(2), q(4), q(4)),
     # The same codecs under zero-bubble H1 instead of 1F1B (a name ending in ZBH1).
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" + (ZBH1 := ", zbh1"): (warm(2), q(4), q(4)),
     "ours, AQ-SGD fw4/bw8, warm-up h4, tie q8" + ZBH1: (warm(4), q(8), q(8)),
     AUTO: None,  # Plan.auto(quality="safe", aqsgd=True): chosen per boundary direction, and the tie's codec
+    AUTO_FAST: None,  # the same with quality="fast"
 }
 SPLIT_POINTS = {2: [2], 3: [1, 3]}  # of the toy model's 4 blocks
 REAL_SPLIT_POINTS = {2: [15], 3: [10, 20]}  # of SmolLM2-135M's 30 blocks (--model smollm2)
@@ -234,8 +240,8 @@ def build_ours(name: str, data, args):
     common = dict(num_stages=args.stages, micro_batches=args.micro_batches, split_points=split_points(data, args),
                   schedule="zbh1" if name.endswith(ZBH1) else "1f1b",
                   memory=MemoryConfig(num_samples=len(Rows(train)), store="host", dtype="fp16"))
-    if name == AUTO:  # the tie's codec left unset: auto chooses it
-        return Plan.auto(quality="safe", aqsgd=True, **common)
+    if name in AUTOS:  # the tie's codec left unset: auto chooses it
+        return Plan.auto(quality=AUTOS[name], aqsgd=True, **common)
     if name in DP_METHODS:
         (forward, backward, *tie), dp_compression = DP_METHODS[name]
         common.update(data_parallel=args.replicas, dp_compression=dp_compression)
@@ -349,7 +355,7 @@ def run(name: str, data, args) -> dict:
                        categories={c: v["bytes_sent"] for c, v in stats["categories"].items()},
                        steady_state=steady_state(stats, *after_first_epoch, step) if after_first_epoch else None)
         traffic["categories_per_step"] = {c: v / step for c, v in traffic["categories"].items()}
-        if name == AUTO:
+        if name in AUTOS:
             traffic["auto"] = auto_summary(stats)
         if pipe.outer is not None:
             traffic["outer_sync_seconds"] = max(t.get("seconds_outer_sync", 0.0) for t in stats["stages"].values())
