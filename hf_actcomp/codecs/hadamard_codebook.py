@@ -103,7 +103,7 @@ class HadamardCodebookCodec(HadamardOutliersCodec):
         magnitude = values.abs()
         # The table is symmetric, so a value's code is its sign and the count of positive cell
         # edges below its magnitude: a few vectorised compares (`torch.bucketize`, a binary search
-        # per value on CPU, made the encoder 3x slower). Trial j shrinks levels and edges by 2^(-j/16).
+        # per value on CPU, made the encoder 2-3x slower). Trial j shrinks levels and edges by 2^(-j/16).
         positive = table[half:]  # 0 = c_0 < c_1 < ... < c_half = 1
         shrink = torch.exp2(-torch.tensor(CLIP_STEPS, dtype=torch.float32, device=tiles.device) / SCALE_STEPS_PER_OCTAVE)
         levels = positive.unsqueeze(0) * shrink.unsqueeze(1)  # (trials, half + 1)
