@@ -78,11 +78,17 @@ REAL_TTQ_3EPOCH_TIE = --model smollm2 --rate 5 --train_samples 96 --eval_samples
 	--name time_to_quality_smollm2_5mbit_3epoch_tie --methods "ours, uncompressed" \
 	"ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q8" "ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q4" \
 	"ours, AQ-SGD(h_o) fw2/bw4, warm-up h_o4, tie q4" "ours, auto" "ours, auto (fast)"
+# Again, Plan.auto("safe") under the uncharged tie, beside README's plan with either tie (35 min a round).
+REAL_TTQ_3EPOCH_AUTO = --model smollm2 --rate 5 --train_samples 96 --eval_samples 16 --stdlib_files 40 --batch_size 8 \
+	--micro_batches 4 --lr 1e-5 --epochs 3 --max_epochs 4 --eval_every 4 --repeats 1 \
+	--name time_to_quality_smollm2_5mbit_3epoch_auto --methods "ours, uncompressed" "ours, auto" \
+	"ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q4" "ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q8"
 bench-real-model-time-to-quality: setup  # SmolLM2-135M at 5 Mbit/s against torch pipelining (as root: namespaces and tc; 25-35 min a round)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_1EPOCH)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_2EPOCH)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_3EPOCH)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_3EPOCH_TIE)
+	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_3EPOCH_AUTO)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ)
 
 bench-convergence: setup
