@@ -56,9 +56,9 @@ AUTOS = {AUTO: "safe", AUTO_FAST: "fast"}  # Plan.auto's quality per auto method
 q = lambda b: Compression("quantize", bits=b)  # noqa: E731
 h = lambda b: Compression("hadamard", bits=b)  # noqa: E731
 warm = lambda b: Compression("aqsgd", bits=b, first_visit=h(4))  # noqa: E731
-aq_outliers = lambda b: Compression("aqsgd", inner="hadamard_outliers", bits=b,  # noqa: E731
-                                    first_visit=Compression("hadamard_outliers", bits=4))
-warm_o = lambda b: Compression("aqsgd", bits=b, first_visit=Compression("hadamard_outliers", bits=4))  # noqa: E731
+h_o = lambda b: Compression("hadamard_outliers", bits=b)  # noqa: E731
+aq_outliers = lambda b: Compression("aqsgd", inner="hadamard_outliers", bits=b, first_visit=h_o(4))  # noqa: E731
+warm_o = lambda b: Compression("aqsgd", bits=b, first_visit=h_o(4))  # noqa: E731
 # (forward, backward[, tie_compression]) per method; the tie is exact where not given.
 METHODS: dict[str, tuple | None] = {
     PEER: None,
@@ -74,7 +74,7 @@ METHODS: dict[str, tuple | None] = {
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4": (warm(2), q(4), q(4)),
     "ours, Hadamard fw4/bw8, tie q8": (h(4), h(8), q(8)),
     # The stateless rung Plan.auto's ladders take on SmolLM2 (hf_actcomp/plan/codec_choice.py).
-    "ours, hadamard_outliers fw4/bw8, tie q8": (Compression("hadamard_outliers", bits=4), q(8), q(8)),
+    "ours, hadamard_outliers fw4/bw8, tie q8": (h_o(4), q(8), q(8)),
     # AQ-SGD with its deltas (and warm-up) through hadamard_outliers: what a real model's massive values need.
     "ours, AQ-SGD(h_o) fw4/bw8, warm-up h_o4, tie q8": (aq_outliers(4), q(8), q(8)),
     "ours, AQ-SGD(h_o) fw2/bw4, warm-up h_o4, tie q8": (aq_outliers(2), q(4), q(8)),

@@ -105,7 +105,8 @@ class HadamardCodebookCodec(HadamardOutliersCodec):
         # edges below its magnitude: a few vectorised compares (`torch.bucketize`, a binary search
         # per value on CPU, made the encoder 2-3x slower). Trial j shrinks levels and edges by 2^(-j/16).
         positive = table[half:]  # 0 = c_0 < c_1 < ... < c_half = 1
-        shrink = torch.exp2(-torch.tensor(CLIP_STEPS, dtype=torch.float32, device=tiles.device) / SCALE_STEPS_PER_OCTAVE)
+        trial_steps = torch.tensor(CLIP_STEPS, dtype=torch.float32, device=tiles.device)
+        shrink = torch.exp2(-trial_steps / SCALE_STEPS_PER_OCTAVE)
         levels = positive.unsqueeze(0) * shrink.unsqueeze(1)  # (trials, half + 1)
         edges = (positive[1:] + positive[:-1]).unsqueeze(0) / 2 * shrink.unsqueeze(1)  # (trials, half)
         best = self._best_trials(magnitude, levels, edges)
@@ -113,8 +114,7 @@ class HadamardCodebookCodec(HadamardOutliersCodec):
         for e in range(half):  # each tile's count at its own chosen scale
             count += magnitude > edges[best, e].unsqueeze(1)
         codes = torch.where(values < 0, half - count, count + half)  # uint8: count <= half
-        steps = torch.tensor(CLIP_STEPS, dtype=torch.float32, device=tiles.device)[best]
-        q = (first + steps).clamp_(0, 255).to(torch.uint8)
+        q = (first + trial_steps[best]).clamp_(0, 255).to(torch.uint8)
         return [as_bytes(top.float()), q, pack_digits(codes, self.levels)]
 
     def _decode_tiles(self, parts: dict[str, torch.Tensor], count: int, tile: int) -> torch.Tensor:
