@@ -17,7 +17,7 @@ Every variant sends each sequence's first token (the attention sink) whole in bf
 stages would hold (fitted once, not sent). `hadamard_codebook` and `hadamard_outliers` rows,
 stateless, run on the same eval blocks for reference.
 
-    python benchmarks/real_model_transform_coding.py           # ~10 min on this CPU
+    python benchmarks/real_model_transform_coding.py           # ~5 min on this CPU
     python benchmarks/real_model_transform_coding.py --quick   # checks the script
 """
 
