@@ -66,6 +66,9 @@ def codec_settings() -> dict[str, Compression]:
         "hadamard_outliers 3": o(3),
         "hadamard_outliers 3, 8 outliers, tile 64": o(3, outliers=8, group_size=64),
         **{f"hadamard_codebook {levels}": Compression("hadamard_codebook", levels=levels) for levels in (15, 13, 11, 9, 7)},
+        # 16x: 3 levels, no outlier channels (1.92 bits a value); 5 levels (2.82)
+        "hadamard_codebook 5": Compression("hadamard_codebook", levels=5),
+        "hadamard_codebook 3, 0 outliers": Compression("hadamard_codebook", levels=3, outliers=0),
     }
 
 

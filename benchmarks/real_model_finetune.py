@@ -76,6 +76,10 @@ def boundary_settings() -> dict[str, tuple[Compression, Compression]]:
         "hadamard_outliers fw3/bw6": (Compression("hadamard_outliers", bits=3), q(6)),
         # The 8x stateless codec (11 levels, ~4 bits a value) at training time.
         "hadamard_codebook11 fw/bw8": (Compression("hadamard_codebook", levels=11), q(8)),
+        # The moonshot's byte budget from the first step on: 3 levels forward (1.92 bits a value, 16.7x),
+        # the 8x codebook backward (3.99 bits).
+        "hadamard_codebook3 fw/codebook11 bw": (Compression("hadamard_codebook", levels=3, outliers=0),
+                                                Compression("hadamard_codebook", levels=11)),
         # AQ-SGD whose deltas go through hadamard_outliers (quantize's groups break on massive values).
         "aqsgd-h_o fw4/bw8 warm-up h_o4": (_aqsgd_outliers(4), q(8)),
         "aqsgd-h_o fw2/bw4 warm-up h_o4": (_aqsgd_outliers(2), q(4)),
