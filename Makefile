@@ -154,6 +154,9 @@ bench-auto: setup
 	$(PY) benchmarks/time_to_quality.py --rate 10 --methods "ours, uncompressed" "ours, auto" \
 		"ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q8" "ours, Hadamard fw4/bw8, tie q8" \
 		--name time_to_quality_auto_shared_10mbit
+	$(PY) benchmarks/time_to_quality.py --rate 10 --methods "ours, uncompressed" "ours, auto" \
+		"ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q8" "ours, Hadamard fw4/bw8, tie q8" \
+		--name time_to_quality_auto_tie_10mbit
 	$(PY) benchmarks/time_to_quality.py --rate 20 --methods "ours, uncompressed" "ours, auto" \
 		"ours, AQ-SGD fw2/bw4, warm-up h4, tie q8" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" --name time_to_quality_auto_shared_20mbit
 	$(PY) benchmarks/time_to_quality.py --rate 100 --methods "ours, uncompressed" "ours, auto" \
