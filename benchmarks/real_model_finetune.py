@@ -80,6 +80,11 @@ def boundary_settings() -> dict[str, tuple[Compression, Compression]]:
         # the 8x codebook backward (3.99 bits).
         "hadamard_codebook3 fw/codebook11 bw": (Compression("hadamard_codebook", levels=3, outliers=0),
                                                 Compression("hadamard_codebook", levels=11)),
+        # The same bytes with AQ-SGD: ternary deltas after a ternary first epoch.
+        "aqsgd-codebook3 fw/codebook11 bw": (Compression("aqsgd", inner="hadamard_codebook", levels=3, outliers=0,
+                                                         first_visit=Compression("hadamard_codebook", levels=3,
+                                                                                 outliers=0)),
+                                             Compression("hadamard_codebook", levels=11)),
         # AQ-SGD whose deltas go through hadamard_outliers (quantize's groups break on massive values).
         "aqsgd-h_o fw4/bw8 warm-up h_o4": (_aqsgd_outliers(4), q(8)),
         "aqsgd-h_o fw2/bw4 warm-up h_o4": (_aqsgd_outliers(2), q(4)),

@@ -84,13 +84,13 @@ def test_ef21_sender_and_receiver_estimates_agree():
 
 
 def aqsgd_pair(first_visit="full", inner="quantize", num_samples=8, dtype="fp32"):
-    kwargs = dict(ratio=0.3) if inner == "topk" else dict(bits=4)
+    kwargs = {"topk": dict(ratio=0.3), "hadamard_codebook": dict(levels=11)}.get(inner, dict(bits=4))
     compression = Compression("aqsgd", inner=inner, first_visit=first_visit, **kwargs)
     memory = MemoryConfig(store="host", dtype=dtype, num_samples=num_samples)
     return pair(compression, memory)
 
 
-@pytest.mark.parametrize("inner", ["quantize", "topk", "hadamard", "hadamard_outliers"])
+@pytest.mark.parametrize("inner", ["quantize", "topk", "hadamard", "hadamard_outliers", "hadamard_codebook"])
 def test_aqsgd_memories_stay_identical_and_deltas_shrink(inner):
     sender, receiver = aqsgd_pair(inner=inner)
     assert isinstance(sender, AQSGDSender)
@@ -125,7 +125,7 @@ def test_aqsgd_deltas_of_activations_with_a_massive_channel():
     mask = torch.ones(576, dtype=torch.bool)
     mask[507] = False
     errors = {}
-    for inner in ("quantize", "hadamard_outliers"):
+    for inner in ("quantize", "hadamard_outliers", "hadamard_codebook"):
         sender, receiver = aqsgd_pair(inner=inner, num_samples=2)
         ids = torch.arange(2)
         worst = 0.0
@@ -136,6 +136,7 @@ def test_aqsgd_deltas_of_activations_with_a_massive_channel():
         errors[inner] = worst
     assert errors["quantize"] > 0.1
     assert errors["hadamard_outliers"] < 0.01
+    assert errors["hadamard_codebook"] < 0.01
 
 
 def test_aqsgd_mixed_batch_of_new_and_seen_samples():

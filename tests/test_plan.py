@@ -118,7 +118,7 @@ def test_missing_config_file(tmp_path):
         (dict(method="topk", ratio=0.1, feedback="ef3"), "Allowed values: none, ef, ef21"),
         (dict(method="aqsgd", bits=4, feedback="ef"), "cannot be combined with method='aqsgd'"),
         (dict(method="aqsgd", bits=4, first_visit="skip"), "Allowed values: full, direct"),
-        (dict(method="aqsgd", inner="randk", ratio=0.1), "Allowed values: quantize, topk, hadamard, hadamard_outliers"),
+        (dict(method="aqsgd", inner="randk", ratio=0.1), "Allowed values: quantize, topk, hadamard, hadamard_outliers, hadamard_codebook"),
     ],
 )
 def test_compression_validation(kwargs, message):

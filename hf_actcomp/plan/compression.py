@@ -19,7 +19,7 @@ from .config import check_choice, known_fields
 # (`first_visit`) or the tied-embedding rows (`Plan.tie_compression`).
 AQSGD = "aqsgd"
 FEEDBACK_KINDS = ("none", "ef", "ef21")
-AQSGD_INNER = ("quantize", "topk", "hadamard", "hadamard_outliers")
+AQSGD_INNER = ("quantize", "topk", "hadamard", "hadamard_outliers", "hadamard_codebook")
 FIRST_VISIT = ("full", "direct")
 # What a direction sends at inference (hf_actcomp/plan/inference_form.py resolves them).
 INFERENCE_CHOICES = ("auto", "direct", "none")
@@ -68,7 +68,7 @@ class Compression:
         value_dtype: dtype of the values a sparsifier sends (`topk_quantize`: of its chunk scales).
         feedback: `none`, `ef` (error feedback) or `ef21`; not combinable with `aqsgd`.
         inner: the codec AQ-SGD applies to deltas: `quantize` (the AQ-SGD paper's), `topk`,
-            `hadamard` or `hadamard_outliers`. On a real LLM's activations (a massive channel on
+            `hadamard`, `hadamard_outliers` or `hadamard_codebook` (`levels`). On a real LLM's activations (a massive channel on
             the sink and delimiter tokens) use `hadamard_outliers`: quantize's group scale follows
             that channel's delta and its levels swamp the rest (docs/real_model.md).
         first_visit: what AQ-SGD sends the first time a sample is seen: `full` (uncompressed, as
