@@ -85,6 +85,11 @@ def boundary_settings() -> dict[str, tuple[Compression, Compression]]:
                                                          first_visit=Compression("hadamard_codebook", levels=3,
                                                                                  outliers=0)),
                                              Compression("hadamard_codebook", levels=11)),
+        # The same with 9 levels backward: 16.5x / 8.6x at 2 x 256-token micro-batches (the moonshot's bytes).
+        "aqsgd-codebook3 fw/codebook9 bw": (Compression("aqsgd", inner="hadamard_codebook", levels=3, outliers=0,
+                                                        first_visit=Compression("hadamard_codebook", levels=3,
+                                                                                outliers=0)),
+                                            Compression("hadamard_codebook", levels=9)),
         # AQ-SGD whose deltas go through hadamard_outliers (quantize's groups break on massive values).
         "aqsgd-h_o fw4/bw8 warm-up h_o4": (_aqsgd_outliers(4), q(8)),
         "aqsgd-h_o fw2/bw4 warm-up h_o4": (_aqsgd_outliers(2), q(4)),
