@@ -48,6 +48,8 @@ bench-real-model: setup  # SmolLM2-135M: boundary statistics and codec costs, co
 	$(PY) benchmarks/real_model_boundaries.py
 	$(PY) benchmarks/real_model_transform_coding.py
 	$(PY) benchmarks/real_model_finetune.py
+	$(PY) benchmarks/real_model_finetune.py --seq_len 256 --train_blocks 12 --settings none "aqsgd-codebook3 fw/codebook9 bw" \
+		--name real_model_finetune_256
 	$(PY) benchmarks/real_model_sft.py
 
 REAL_TTQ = --model smollm2 --rate 5 --train_samples 48 --eval_samples 8 --stdlib_files 40 --batch_size 8 \
