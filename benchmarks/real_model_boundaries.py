@@ -213,6 +213,16 @@ def where(device: str) -> str:
     return "this CPU"
 
 
+def cost_table(costs: list[dict], places: list[str]) -> list[str]:
+    """Markdown rows: each codec's bits per element, its ratio to fp32 and its cost at each place."""
+    lines = ["| codec | bits/elem | fp32 / payload | " + " | ".join(places) + " |",
+             "|---|---:|---:|" + "---:|" * len(places)]
+    for row in costs:
+        lines.append(f"| {row['codec']} | {row['bits_per_element']:.2f} | {32 / row['bits_per_element']:.1f}x | "
+                     + " | ".join(f"{row['cost'][p]:+.2f}%" for p in places) + " |")
+    return lines
+
+
 def write(args, base: float, stats: list[dict], costs: list[dict], places: list[str], seconds: float) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
@@ -233,12 +243,8 @@ def write(args, base: float, stats: list[dict], costs: list[dict], places: list[
         "",
         "Block k: the codec on the input of block k alone. S stages: at every boundary of the default split.",
         "",
-        "| codec | bits/elem | fp32 / payload | " + " | ".join(places) + " |",
-        "|---|---:|---:|" + "---:|" * len(places),
+        *cost_table(costs, places),
     ]
-    for row in costs:
-        lines.append(f"| {row['codec']} | {row['bits_per_element']:.2f} | {32 / row['bits_per_element']:.1f}x | "
-                     + " | ".join(f"{row['cost'][p]:+.2f}%" for p in places) + " |")
     lines += ["", "## Boundary statistics across depth", "",
               "Per-channel max |x| over all tokens: its largest / median value and ratio, the 3 largest channels; "
               "token norm: largest / median and the position of the largest; excess kurtosis of all values.", "",

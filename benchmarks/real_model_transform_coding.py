@@ -39,6 +39,7 @@ from real_model_boundaries import (  # noqa: E402
     Walk,
     block_gradients,
     codec_settings,
+    cost_table,
     roundtrip,
     stage_boundaries,
 )
@@ -199,12 +200,8 @@ def write(args, base: float, rows: list[dict], places: list[str], seconds: float
         f"this CPU, {seconds / 60:.1f} min. Deterministic: one run. Bits per element count every bit sent "
         "(the sink token in bf16, per-token RMS where used); fp32 = 32.",
         "",
-        "| codec | bits/elem | fp32 / payload | " + " | ".join(places) + " |",
-        "|---|---:|---:|" + "---:|" * len(places),
+        *cost_table(rows, places),
     ]
-    for row in rows:
-        lines.append(f"| {row['codec']} | {row['bits_per_element']:.2f} | {32 / row['bits_per_element']:.1f}x | "
-                     + " | ".join(f"{row['cost'][p]:+.2f}%" for p in places) + " |")
     write_markdown(RESULTS, args.name, lines)
 
 
