@@ -88,6 +88,12 @@ REAL_TTQ_3EPOCH_AUTO = --model smollm2 --rate 5 --train_samples 96 --eval_sample
 	"ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q4" "ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q8"
 # The same four methods in two more rounds, alternating order, for a spread within one file (70 min).
 REAL_TTQ_3EPOCH_AUTO_2ROUNDS = $(REAL_TTQ_3EPOCH_AUTO) --repeats 2 --name time_to_quality_smollm2_5mbit_3epoch_auto_2rounds
+# The moonshot's setting (ternary AQ-SGD codebook deltas, 9 levels backward) beside README's plan with
+# its 4-bit tie, one round (about 30 min).
+REAL_TTQ_3EPOCH_MOONSHOT = --model smollm2 --rate 5 --train_samples 96 --eval_samples 16 --stdlib_files 40 --batch_size 8 \
+	--micro_batches 4 --lr 1e-5 --epochs 3 --max_epochs 4 --eval_every 4 --repeats 1 \
+	--name time_to_quality_smollm2_5mbit_3epoch_moonshot --methods "ours, uncompressed" \
+	"ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q4" "ours, AQ-SGD(codebook3) fw/codebook9 bw, tie q4"
 bench-real-model-time-to-quality: setup  # SmolLM2-135M at 5 Mbit/s against torch pipelining (as root: namespaces and tc; 25-35 min a round)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_1EPOCH)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_2EPOCH)
@@ -95,6 +101,7 @@ bench-real-model-time-to-quality: setup  # SmolLM2-135M at 5 Mbit/s against torc
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_3EPOCH_TIE)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_3EPOCH_AUTO)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_3EPOCH_AUTO_2ROUNDS)
+	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_3EPOCH_MOONSHOT)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ)
 
 bench-convergence: setup

@@ -59,6 +59,9 @@ warm = lambda b: Compression("aqsgd", bits=b, first_visit=h(4))  # noqa: E731
 h_o = lambda b: Compression("hadamard_outliers", bits=b)  # noqa: E731
 aq_outliers = lambda b: Compression("aqsgd", inner="hadamard_outliers", bits=b, first_visit=h_o(4))  # noqa: E731
 warm_o = lambda b: Compression("aqsgd", bits=b, first_visit=h_o(4))  # noqa: E731
+codebook = lambda n: Compression("hadamard_codebook", levels=n, outliers=0 if n == 3 else None)  # noqa: E731
+codebook_aqsgd = lambda n: Compression("aqsgd", inner="hadamard_codebook", levels=n, outliers=0,  # noqa: E731
+                                       first_visit=codebook(n))
 # (forward, backward[, tie_compression]) per method; the tie is exact where not given.
 METHODS: dict[str, tuple | None] = {
     PEER: None,
@@ -83,6 +86,9 @@ METHODS: dict[str, tuple | None] = {
     # The 4-bit tie on SmolLM2 ("safe"'s last rung with its charge in steps; "fast"'s strongest pair).
     "ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q4": (warm_o(4), q(8), q(4)),
     "ours, AQ-SGD(h_o) fw2/bw4, warm-up h_o4, tie q4": (aq_outliers(2), q(4), q(4)),
+    # The moonshot setting on SmolLM2 (benchmarks/results/real_model_finetune_256.md): ternary
+    # hadamard_codebook deltas after a ternary first epoch, 9 levels backward.
+    "ours, AQ-SGD(codebook3) fw/codebook9 bw, tie q4": (codebook_aqsgd(3), codebook(9), q(4)),
     # The same codecs under zero-bubble H1 instead of 1F1B (a name ending in ZBH1).
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" + (ZBH1 := ", zbh1"): (warm(2), q(4), q(4)),
     "ours, AQ-SGD fw4/bw8, warm-up h4, tie q8" + ZBH1: (warm(4), q(8), q(8)),
