@@ -158,7 +158,7 @@ bench-schedules: setup
 	$(PY) benchmarks/schedules.py --rates 10 --stages 2 4 --schedules gpipe 1f1b zbh1 \
 		--peer_schedules GPipe 1F1B Interleaved1F1B --link_peer_schedules GPipe 1F1B --name schedules
 
-# docs/auto.md's benchmark: Plan.auto(quality="safe") against the fastest fixed settings (about 110 minutes; root)
+# docs/auto.md's benchmark: Plan.auto(quality="safe") against the fastest fixed settings (about 130 minutes; root)
 bench-auto: setup
 	$(PY) benchmarks/time_to_quality.py --rate 10 --methods "ours, uncompressed" "ours, auto" \
 		"ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, AQ-SGD fw2/bw4, warm-up h4, tie q8" "ours, Hadamard fw4/bw8, tie q8" \
@@ -178,6 +178,9 @@ bench-auto: setup
 	$(PY) benchmarks/time_to_quality.py --rate 10 --stages 3 --shaped 1 --methods "ours, uncompressed" "ours, auto" \
 		"ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, Hadamard fw4/bw8, tie q8" "ours, AQ-SGD fw4/bw8, warm-up h4, tie q8" \
 		--name time_to_quality_auto_shared_3stage_10mbit_mixed
+	$(PY) benchmarks/time_to_quality.py --rate 10 --stages 3 --shaped 1 --methods "ours, uncompressed" "ours, auto" \
+		"ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" "ours, AQ-SGD fw4/bw8, warm-up h_o4, tie q4" \
+		--name time_to_quality_auto_tie_3stage_10mbit_mixed
 
 bench-dp-hooks: setup
 	$(PY) benchmarks/dp_hooks.py
