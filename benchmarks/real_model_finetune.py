@@ -40,6 +40,10 @@ WARM_UP = Compression("hadamard", bits=4)
 # Settings whose tied embedding rows (SmolLM2's input embedding is its head) cross compressed too
 # (`Plan.tie_compression`): the ladders' tie rungs on each ladder's strongest pair. The boundary
 # codecs are those of the setting named before " + tie ".
+# Ternary activations: `hadamard_codebook` with 3 levels and no outlier channels, alone and as
+# AQ-SGD's inner codec with a ternary first epoch (the same bytes every epoch).
+TERNARY = Compression("hadamard_codebook", levels=3, outliers=0)
+AQSGD_TERNARY = Compression("aqsgd", inner="hadamard_codebook", levels=3, outliers=0, first_visit=TERNARY)
 TIES = {"aqsgd fw4/bw8 warm-up h_o4 + tie q8": Compression("quantize", bits=8),
         "aqsgd fw4/bw8 warm-up h_o4 + tie q4": Compression("quantize", bits=4),
         "aqsgd-h_o fw2/bw4 warm-up h_o4 + tie q4": Compression("quantize", bits=4),
@@ -79,18 +83,11 @@ def boundary_settings() -> dict[str, tuple[Compression, Compression]]:
         "hadamard_codebook11 fw/bw8": (Compression("hadamard_codebook", levels=11), q(8)),
         # The moonshot's byte budget from the first step on: 3 levels forward (1.92 bits a value, 16.7x),
         # the 8x codebook backward (3.99 bits).
-        "hadamard_codebook3 fw/codebook11 bw": (Compression("hadamard_codebook", levels=3, outliers=0),
-                                                Compression("hadamard_codebook", levels=11)),
+        "hadamard_codebook3 fw/codebook11 bw": (TERNARY, Compression("hadamard_codebook", levels=11)),
         # The same bytes with AQ-SGD: ternary deltas after a ternary first epoch.
-        "aqsgd-codebook3 fw/codebook11 bw": (Compression("aqsgd", inner="hadamard_codebook", levels=3, outliers=0,
-                                                         first_visit=Compression("hadamard_codebook", levels=3,
-                                                                                 outliers=0)),
-                                             Compression("hadamard_codebook", levels=11)),
+        "aqsgd-codebook3 fw/codebook11 bw": (AQSGD_TERNARY, Compression("hadamard_codebook", levels=11)),
         # The same with 9 levels backward: 16.5x / 8.6x at 2 x 256-token micro-batches (the moonshot's bytes).
-        "aqsgd-codebook3 fw/codebook9 bw": (Compression("aqsgd", inner="hadamard_codebook", levels=3, outliers=0,
-                                                        first_visit=Compression("hadamard_codebook", levels=3,
-                                                                                outliers=0)),
-                                            Compression("hadamard_codebook", levels=9)),
+        "aqsgd-codebook3 fw/codebook9 bw": (AQSGD_TERNARY, Compression("hadamard_codebook", levels=9)),
         # AQ-SGD whose deltas go through hadamard_outliers (quantize's groups break on massive values).
         "aqsgd-h_o fw4/bw8 warm-up h_o4": (_aqsgd_outliers(4), q(8)),
         "aqsgd-h_o fw2/bw4 warm-up h_o4": (_aqsgd_outliers(2), q(4)),

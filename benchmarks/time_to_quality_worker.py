@@ -59,9 +59,10 @@ warm = lambda b: Compression("aqsgd", bits=b, first_visit=h(4))  # noqa: E731
 h_o = lambda b: Compression("hadamard_outliers", bits=b)  # noqa: E731
 aq_outliers = lambda b: Compression("aqsgd", inner="hadamard_outliers", bits=b, first_visit=h_o(4))  # noqa: E731
 warm_o = lambda b: Compression("aqsgd", bits=b, first_visit=h_o(4))  # noqa: E731
-codebook = lambda n: Compression("hadamard_codebook", levels=n, outliers=0 if n == 3 else None)  # noqa: E731
-codebook_aqsgd = lambda n: Compression("aqsgd", inner="hadamard_codebook", levels=n, outliers=0,  # noqa: E731
-                                       first_visit=codebook(n))
+codebook = lambda n: Compression("hadamard_codebook", levels=n)  # noqa: E731
+# ternary deltas (3 levels, no outlier channels) after a ternary first epoch
+aqsgd_ternary = Compression("aqsgd", inner="hadamard_codebook", levels=3, outliers=0,
+                            first_visit=Compression("hadamard_codebook", levels=3, outliers=0))
 # (forward, backward[, tie_compression]) per method; the tie is exact where not given.
 METHODS: dict[str, tuple | None] = {
     PEER: None,
@@ -88,7 +89,7 @@ METHODS: dict[str, tuple | None] = {
     "ours, AQ-SGD(h_o) fw2/bw4, warm-up h_o4, tie q4": (aq_outliers(2), q(4), q(4)),
     # The moonshot setting on SmolLM2 (benchmarks/results/real_model_finetune_256.md): ternary
     # hadamard_codebook deltas after a ternary first epoch, 9 levels backward.
-    "ours, AQ-SGD(codebook3) fw/codebook9 bw, tie q4": (codebook_aqsgd(3), codebook(9), q(4)),
+    "ours, AQ-SGD(codebook3) fw/codebook9 bw, tie q4": (aqsgd_ternary, codebook(9), q(4)),
     # The same codecs under zero-bubble H1 instead of 1F1B (a name ending in ZBH1).
     "ours, AQ-SGD fw2/bw4, warm-up h4, tie q4" + (ZBH1 := ", zbh1"): (warm(2), q(4), q(4)),
     "ours, AQ-SGD fw4/bw8, warm-up h4, tie q8" + ZBH1: (warm(4), q(8), q(8)),
