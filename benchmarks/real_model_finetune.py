@@ -120,6 +120,8 @@ def train_simulated(model, forward: Compression, backward: Compression, stages: 
     model.eval()
     return {"plan": plan, "curve": curve, "epochs": epochs, "seconds": seconds,
             "sent": sum(c["bytes_sent"] for c in boundary), "raw": sum(c["bytes_uncompressed"] for c in boundary),
+            "forward_compression_ratio": boundary[0]["compression_ratio"],
+            "backward_compression_ratio": boundary[1]["compression_ratio"],
             "tie_sent": tie_traffic.get("bytes_sent", 0), "tie_raw": tie_traffic.get("bytes_uncompressed", 0)}
 
 
@@ -142,7 +144,9 @@ def finetune(name: str, stages: int, seed: int, data, args) -> dict:
            "eval_loss_inference_form": inference_form,
            "inference_form": plan.forward.inference if isinstance(plan.forward.inference, str) else "explicit",
            "bytes_per_step": sent / len(curve), "bytes_per_step_uncompressed": raw / len(curve),
-           "compression_ratio": raw / sent if sent else 1.0, "train_curve": curve, "seconds": seconds}
+           "compression_ratio": raw / sent if sent else 1.0,
+           **{k: run[k] for k in ("forward_compression_ratio", "backward_compression_ratio")},
+           "train_curve": curve, "seconds": seconds}
     if tie is not None:  # the tie's rows apart from the boundary traffic (as the toy study's files)
         row.update(tie_bytes_per_step=run["tie_sent"] / len(curve),
                    tie_bytes_per_step_uncompressed=run["tie_raw"] / len(curve))
@@ -169,10 +173,20 @@ def summarise(rows: list[dict]) -> list[dict]:
                     "gap_max": max(gaps) if gaps else None, "gap_inference_form": statistics.median(form) if form else None,
                     "bytes_per_step": statistics.median(r["bytes_per_step"] for r in mine),
                     "compression_ratio": statistics.median(r["compression_ratio"] for r in mine),
+                    **direction_ratios(mine),
                     "tie_bytes_per_step": statistics.median(r["tie_bytes_per_step"] for r in mine)
                     if "tie_bytes_per_step" in mine[0] else None,
                     "seconds": statistics.median(r["seconds"] for r in mine)})
     return out
+
+
+def direction_ratios(rows: list[dict]) -> dict:
+    """The forward and backward ratios (measured, each direction's bytes), median over `rows`;
+    none where a row predates them."""
+    keys = ("forward_compression_ratio", "backward_compression_ratio")
+    if not all(k in r for r in rows for k in keys):
+        return {k: None for k in keys}
+    return {k: statistics.median(r[k] for r in rows) for k in keys}
 
 
 def describe(meta: dict) -> str:
@@ -200,17 +214,19 @@ def write(rows: list[dict], meta: dict, name: str, title: str = "Fine-tuning Smo
         f"{meta['machine']}.",
         "",
         "| stages | setting | fw | bw | tie | seeds | eval loss | gap vs none | through the inference form | MB/step "
-        "| vs fp32 | tie MB/step | s/run |",
-        "|---:|---|---|---|---|---|---|---|---|---:|---:|---:|---:|",
+        "| vs fp32 | fw / bw vs fp32 | tie MB/step | s/run |",
+        "|---:|---|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for s in summary:
         gap = "-" if s["setting"] == "none" or s["gap"] is None else \
             f"{s['gap']:+.2f}% [{s['gap_min']:+.2f}, {s['gap_max']:+.2f}]"
         form = "-" if s["gap_inference_form"] is None else f"{s['gap_inference_form']:+.2f}%"
         tie_mb = "-" if s.get("tie_bytes_per_step") is None else f"{s['tie_bytes_per_step'] / 1e6:.3f}"
+        ways = "-" if s.get("forward_compression_ratio") is None else \
+            f"{s['forward_compression_ratio']:.1f}x / {s['backward_compression_ratio']:.1f}x"
         lines.append(f"| {s['stages']} | {s['setting']} | {s['forward']} | {s['backward']} | {s.get('tie', 'exact')} | "
                      f"{len(s['seeds'])} | {s['eval_loss']:.4f} [{s['eval_loss_min']:.4f}-{s['eval_loss_max']:.4f}] | "
-                     f"{gap} | {form} | {s['bytes_per_step'] / 1e6:.3f} | {s['compression_ratio']:.1f}x | {tie_mb} | "
+                     f"{gap} | {form} | {s['bytes_per_step'] / 1e6:.3f} | {s['compression_ratio']:.1f}x | {ways} | {tie_mb} | "
                      f"{s['seconds']:.0f} |")
     write_markdown(RESULTS, name, lines)
 

@@ -131,6 +131,8 @@ def run(name: str, stages: int, seed: int, data, args) -> dict:
            "eval_loss": plain, "eval_loss_inference_form": inference_form,
            "bytes_per_step": comm["comm/bytes_sent"] / steps, "bytes_per_step_uncompressed":
            comm["comm/bytes_uncompressed"] / steps, "compression_ratio": comm["comm/compression_ratio"],
+           "forward_compression_ratio": comm["comm/activations/compression_ratio"],
+           "backward_compression_ratio": comm["comm/activation_gradients/compression_ratio"],
            "train_curve": curve, "seconds": seconds}
     print(f"S={stages} seed {seed} {name:28s} eval {plain:.4f} (inference form {inference_form:.4f}) "
           f"{row['bytes_per_step'] / 1e6:6.3f} MB/step {row['compression_ratio']:5.1f}x {seconds:5.0f} s", flush=True)

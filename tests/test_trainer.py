@@ -74,6 +74,9 @@ def test_in_process_matches_plain_trainer(tmp_path):
     assert first_log["comm/bytes_sent"] == first_step
     assert first_log["comm/compression_ratio"] == 1.0
     assert first_log["comm/boundary0.forward/relative_error"] == 0.0
+    # per category: the activations and their gradients, half each (the same shapes, fp32)
+    assert first_log["comm/activations/bytes_sent"] == first_log["comm/activation_gradients/bytes_sent"] == first_step // 2
+    assert first_log["comm/activations/compression_ratio"] == 1.0
 
     # eval_loss is Trainer's own number (its batch mean over Trainer's token count); the mean per
     # predicted token and the perplexity stand beside it
@@ -85,6 +88,22 @@ def test_in_process_matches_plain_trainer(tmp_path):
     assert metrics["eval_token_loss"] == pytest.approx(token_loss, rel=1e-5)
     assert abs(metrics["eval_token_loss"] - metrics["eval_loss"]) > 0.01  # two different means
     assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_token_loss"]), rel=1e-6)
+
+
+def test_logs_give_forward_and_backward_ratios_apart(tmp_path):
+    """A plan's two directions compress differently; the logs say each one's bytes and ratio,
+    and the categories add up to the total."""
+    plan = Plan(num_stages=2, forward=Compression("quantize", bits=8), backward=Compression("quantize", bits=4))
+    trainer = ActCompTrainer(model=debug_model("gpt2", seed=0), args=training_args(str(tmp_path / "ours")), plan=plan,
+                             train_dataset=ragged_dataset(), data_collator=pad_collator)
+    trainer.train()
+    log = trainer.state.log_history[0]
+    forward, backward = log["comm/activations/bytes_sent"], log["comm/activation_gradients/bytes_sent"]
+    assert forward + backward == log["comm/bytes_sent"]
+    half = log["comm/bytes_uncompressed"] / 2  # the same tensors' shapes both ways
+    assert log["comm/activations/compression_ratio"] == pytest.approx(half / forward)
+    assert log["comm/activation_gradients/compression_ratio"] == pytest.approx(half / backward)
+    assert 3.5 < half / forward < 4.0 and 7.0 < half / backward < 8.0  # 8 and 4 bits of 32, plus scales
 
 
 def test_backends_offer_the_same_methods():

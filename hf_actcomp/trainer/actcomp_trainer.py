@@ -282,12 +282,16 @@ class ActCompTrainer(Trainer):
 
     def communication_logs(self) -> dict[str, float]:
         """`comm/*` entries: bytes sent (all traffic between ranks, this pipeline), compression
-        ratio, bytes sent and relative error per boundary direction (cumulative) and,
-        distributed, each stage's seconds computing vs waiting. Collective over the pipeline
-        when distributed."""
+        ratio, bytes sent and compression ratio per category (`activations`,
+        `activation_gradients`, the tie's rows, ...: a plan's forward and backward ratios apart),
+        bytes sent and relative error per boundary direction (cumulative) and, distributed, each
+        stage's seconds computing vs waiting. Collective over the pipeline when distributed."""
         stats = self._backend.stats()
         logs = {"comm/bytes_sent": stats["bytes_sent"], "comm/bytes_uncompressed": stats["bytes_uncompressed"],
                 "comm/compression_ratio": stats["compression_ratio"]}
+        for name, category in stats["categories"].items():
+            logs[f"comm/{name}/bytes_sent"] = category["bytes_sent"]
+            logs[f"comm/{name}/compression_ratio"] = category["compression_ratio"]
         for name, channel in stats["channels"].items():
             logs[f"comm/{name}/bytes_sent"] = channel["bytes_sent"]
             logs[f"comm/{name}/relative_error"] = channel["relative_error"]
