@@ -181,12 +181,12 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def direction_ratios(rows: list[dict]) -> dict:
-    """The forward and backward ratios (measured, each direction's bytes), median over `rows`;
-    none where a row predates them."""
+    """The forward and backward ratios (measured, each direction's bytes), median over the rows
+    of `rows` that record them (rows run before they were recorded have none; a setting's bytes
+    differ between seeds only by the batches' padding); none if no row does."""
     keys = ("forward_compression_ratio", "backward_compression_ratio")
-    if not all(k in r for r in rows for k in keys):
-        return {k: None for k in keys}
-    return {k: statistics.median(r[k] for r in rows) for k in keys}
+    measured = [r for r in rows if all(k in r for k in keys)]
+    return {k: statistics.median(r[k] for r in measured) if measured else None for k in keys}
 
 
 def describe(meta: dict) -> str:

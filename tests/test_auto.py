@@ -230,7 +230,7 @@ def test_every_ladder_ends_in_a_measured_pair_within_its_quality(quality, aqsgd)
     if quality == "fast":  # and instruction tuning (ActCompSFTTrainer), where "safe" was not resolved
         with open(os.path.join(ROOT, "benchmarks", "results", f"{SFT_MEASURED}.json")) as f:
             sft = [r for r in json.load(f)["summary"] if (r["forward"], r["backward"]) == strongest]
-        assert sorted(r["stages"] for r in sft) == [2, 4] and all(len(r["seeds"]) == 3 for r in sft), strongest
+        assert sorted(r["stages"] for r in sft) == [2, 4] and all(len(r["seeds"]) >= 3 for r in sft), strongest
         rows += sft
     for row in rows:
         gap = row["gap_max"] if statistic == "worst" else row["gap"]
@@ -244,7 +244,8 @@ def test_what_the_real_model_refused_stays_out_of_the_ladders():
     """Direct quantization (fw3/bw6: +1.9% / +3.4% on SmolLM2) and AQ-SGD fw2/bw4 under "safe"
     (+0.73% in the worst seed on 4 stages) are measured beyond "safe"; neither is a "safe" rung,
     and AQ-SGD with 2-bit quantize deltas (+12% instruction tuning) is in no ladder, nor the
-    moonshot's ternary pair (+2.07% by the median instruction tuning on 2 stages)."""
+    moonshot's ternary pair (+1.06% by the 8-seed median instruction tuning on 2 stages, the
+    protocol fixed before its run: docs/real_model.md)."""
     with open(os.path.join(ROOT, "benchmarks", "results", f"{MEASURED}.json")) as f:
         summary = {(r["setting"], r["stages"]): r for r in json.load(f)["summary"]}
     assert summary[("quantize fw3/bw6", 4)]["gap"] > 1.0 and summary[("aqsgd fw2/bw4 warm-up h4", 4)]["gap_max"] > 0.3
@@ -264,7 +265,7 @@ def test_what_the_real_model_refused_stays_out_of_the_ladders():
     # on 48 pairs puts its 2-stage median above "fast"'s 1%: no ladder has a hadamard_codebook rung.
     moonshot = "aqsgd-codebook3 fw/codebook9 bw"
     assert all(summary[(moonshot, n)]["gap_max"] < 0 for n in (2, 4))
-    assert sft[(moonshot, 2)]["gap"] > THRESHOLDS["fast"][1]
+    assert sft[(moonshot, 2)]["gap"] > THRESHOLDS["fast"][1] and len(sft[(moonshot, 2)]["seeds"]) == 8
     codebook = [c for ladder_ in LADDERS.values() for d in ("forward", "backward") for c in ladder_[d]
                 if "hadamard_codebook" in (c.method, c.inner)]
     assert codebook == []
