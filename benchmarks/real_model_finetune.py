@@ -88,6 +88,12 @@ def boundary_settings() -> dict[str, tuple[Compression, Compression]]:
         "aqsgd-codebook3 fw/codebook11 bw": (AQSGD_TERNARY, Compression("hadamard_codebook", levels=11)),
         # The same with 9 levels backward: 16.5x / 8.6x at 2 x 256-token micro-batches (the moonshot's bytes).
         "aqsgd-codebook3 fw/codebook9 bw": (AQSGD_TERNARY, Compression("hadamard_codebook", levels=9)),
+        # Toward the stretch of 32x both ways (under 1 bit a value with every scale counted, which no
+        # code that sends every value reaches): ternary both ways (15.7x at 2 x 128 tokens), and the one
+        # registered codec that goes below a bit, topk_quantize (8% of each 128-value chunk at 2 bits: 35.3x).
+        "aqsgd-codebook3 fw/codebook3 bw": (AQSGD_TERNARY, TERNARY),
+        "topk_quantize 8% 2-bit fw/bw": (Compression("topk_quantize", ratio=0.08, bits=2),
+                                         Compression("topk_quantize", ratio=0.08, bits=2)),
         # AQ-SGD whose deltas go through hadamard_outliers (quantize's groups break on massive values).
         "aqsgd-h_o fw4/bw8 warm-up h_o4": (_aqsgd_outliers(4), q(8)),
         "aqsgd-h_o fw2/bw4 warm-up h_o4": (_aqsgd_outliers(2), q(4)),
