@@ -172,7 +172,9 @@ def summarise(rows: list[dict]) -> list[dict]:
     out = []
     for stages, name in dict.fromkeys((r["stages"], r["setting"]) for r in rows):
         mine = [r for r in rows if r["stages"] == stages and r["setting"] == name]
-        gaps = [100 * (r["eval_loss"] / base[stages, r["seed"]] - 1) for r in mine if (stages, r["seed"]) in base]
+        gap_by_seed = {r["seed"]: 100 * (r["eval_loss"] / base[stages, r["seed"]] - 1) for r in mine
+                       if (stages, r["seed"]) in base}
+        gaps = list(gap_by_seed.values())
         form = [100 * (r["eval_loss_inference_form"] / base[stages, r["seed"]] - 1) for r in mine
                 if (stages, r["seed"]) in base]
         losses = [r["eval_loss"] for r in mine]
@@ -181,7 +183,8 @@ def summarise(rows: list[dict]) -> list[dict]:
                     "seeds": sorted(r["seed"] for r in mine), "eval_loss": statistics.median(losses),
                     "eval_loss_min": min(losses), "eval_loss_max": max(losses),
                     "gap": statistics.median(gaps) if gaps else None, "gap_min": min(gaps) if gaps else None,
-                    "gap_max": max(gaps) if gaps else None, "gap_inference_form": statistics.median(form) if form else None,
+                    "gap_max": max(gaps) if gaps else None, "gap_by_seed": gap_by_seed,
+                    "gap_inference_form": statistics.median(form) if form else None,
                     "bytes_per_step": statistics.median(r["bytes_per_step"] for r in mine),
                     "compression_ratio": statistics.median(r["compression_ratio"] for r in mine),
                     **direction_ratios(mine),
