@@ -61,8 +61,8 @@ aq_outliers = lambda b: Compression("aqsgd", inner="hadamard_outliers", bits=b, 
 warm_o = lambda b: Compression("aqsgd", bits=b, first_visit=h_o(4))  # noqa: E731
 codebook = lambda n: Compression("hadamard_codebook", levels=n)  # noqa: E731
 # ternary deltas (3 levels, no outlier channels) after a ternary first epoch
-aqsgd_ternary = Compression("aqsgd", inner="hadamard_codebook", levels=3, outliers=0,
-                            first_visit=Compression("hadamard_codebook", levels=3, outliers=0))
+ternary = Compression("hadamard_codebook", levels=3, outliers=0)
+aqsgd_ternary = Compression("aqsgd", inner="hadamard_codebook", levels=3, outliers=0, first_visit=ternary)
 # (forward, backward[, tie_compression]) per method; the tie is exact where not given.
 METHODS: dict[str, tuple | None] = {
     PEER: None,
