@@ -41,13 +41,16 @@ CODEC_PARAMS = [
     ("hadamard_codebook", dict(levels=11)),
     ("hadamard_codebook", dict(levels=3, outliers=0)),
     ("hadamard_codebook", dict(levels=15, outliers=2, tile=7)),
+    ("hadamard_vq", dict(levels=16)),
+    ("hadamard_vq", dict(levels=128, outliers=2)),
     ("topk_quantize", dict(ratio=0.1)),
     ("topk_quantize", dict(ratio=0.3, bits=5, group_size=7, value_dtype="bf16")),
 ]
 
 
 def test_registry_lists_all_codecs():
-    assert available_codecs() == ["bf16", "fp16", "hadamard", "hadamard_codebook", "hadamard_outliers", "none", "quantize", "randk", "topk", "topk_quantize"]
+    assert available_codecs() == ["bf16", "fp16", "hadamard", "hadamard_codebook", "hadamard_outliers", "hadamard_vq", "none",
+                                  "quantize", "randk", "topk", "topk_quantize"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -188,7 +191,7 @@ def test_randk_sides_agree_through_shared_seed():
 @pytest.mark.parametrize(
     "name, params, message",
     [
-        ("zip", {}, "Unknown codec 'zip'. Available codecs: bf16, fp16, hadamard, hadamard_codebook, hadamard_outliers, none, quantize, randk, topk, topk_quantize"),
+        ("zip", {}, "Unknown codec 'zip'. Available codecs: bf16, fp16, hadamard, hadamard_codebook, hadamard_outliers, hadamard_vq, none, quantize, randk, topk, topk_quantize"),
         ("hadamard", dict(bits=0), "hadamard bits=0 is outside the allowed range 1..8"),
         ("hadamard", dict(bits=4, boost_fraction=0.5), r"boost_fraction=0.5 is outside the allowed range \[0, 0.5\)"),
         ("hadamard", dict(bits=4, rounding="up"), "rounding='up' is not valid"),
@@ -436,3 +439,75 @@ def test_hadamard_codebook_levels_are_checked_by_name():
         make_codec("hadamard_codebook", levels=4)
     assert Compression("hadamard_codebook", levels=11).describe() == "hadamard_codebook11"
     assert Compression("quantize", bits=4).levels is None  # other codecs leave it unset
+
+
+def test_gaussian_vq_codebook_is_kmeans_of_the_gaussian_and_beats_one_bit_per_value():
+    from hf_actcomp.codecs.hadamard_vq import DIM, _nearest, gaussian_vq_codebook
+    words = gaussian_vq_codebook(64)
+    assert words.shape == (64, DIM) and words.dtype == torch.float32
+    assert torch.equal(words, gaussian_vq_codebook(64))  # one table per size, the same each call
+    # k-means: each word is (close to) the mean of fresh Gaussian vectors nearest to it.
+    x = torch.randn(200_000, DIM, generator=torch.Generator().manual_seed(1))
+    nearest = _nearest(x, words)
+    means = torch.zeros_like(words).index_add_(0, nearest, x) / torch.bincount(nearest, minlength=64).unsqueeze(1)
+    assert (means - words).abs().max() < 0.1  # 0.06 here: 40 Lloyd steps, 3,000 samples a cell
+    distortion = {levels: float((x - gaussian_vq_codebook(levels)[_nearest(x, gaussian_vq_codebook(levels))])
+                                .square().mean()) for levels in (64, 256)}
+    # Per value: 0.75 bits 0.44, 1 bit 0.31, where the best 1-bit scalar code (sign, mean |x|) leaves 1 - 2/pi.
+    assert 0.40 < distortion[64] < 0.48 and 0.28 < distortion[256] < 0.9 * (1 - 2 / math.pi)
+
+
+def test_hadamard_vq_payload_layout_is_exact_and_under_one_bit_a_value():
+    codec = make_codec("hadamard_vq", levels=128)
+    rows, tokens, hidden = 2, 16, 64
+    n = rows * tokens
+    # hadamard_outliers' sink (int32 index, bf16 token) and fp16 channel mean, no outlier channels by
+    # default; the message's largest scale (fp32), one byte of scale per token, 7 bits per 8 values.
+    expected = 4 * rows + 2 * rows * hidden + 2 * hidden + 4 + n + n * hidden // 8 * 7 // 8
+    assert codec.payload_nbytes((rows, tokens, hidden), torch.float32) == expected == 652
+    assert codec.encode(_sink_and_outlier_channels()).numel() == expected
+    # A hidden size that is not a multiple of 8: its last word is padded (13 -> 2 words a token);
+    # 36 4-bit words pack 8 at a time into 20 bytes.
+    assert make_codec("hadamard_vq", levels=16).payload_nbytes((2, 9, 13), torch.float32) == \
+        4 * 2 + 2 * 2 * 13 + 2 * 13 + 4 + 18 + 20
+    # SmolLM2's boundary, a micro-batch of 2 x 128 tokens: 64 words are 33.6x fewer bytes than fp32,
+    # 128 words 29.7x (the sink and the mean weigh 0.19 bits a value); at 4 x 256 tokens 128 words 33.1x.
+    ratio = lambda levels, shape: 4 * math.prod(shape) / make_codec("hadamard_vq", levels=levels).payload_nbytes(  # noqa: E731
+        shape, torch.float32)
+    assert ratio(64, (2, 128, 576)) == pytest.approx(33.61, abs=0.01)
+    assert ratio(128, (2, 128, 576)) == pytest.approx(29.71, abs=0.01)
+    assert ratio(128, (4, 256, 576)) == pytest.approx(33.08, abs=0.01)
+
+
+def test_hadamard_vq_sends_each_group_to_its_nearest_word_at_the_tokens_scale():
+    import hf_actcomp.codecs.hadamard_vq as module
+    codec = make_codec("hadamard_vq", levels=32)
+    tiles = torch.randn(40, 64, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.1, 3, 40).unsqueeze(1)
+    top, scales, codes = codec._encode_tiles(tiles.clone())
+    scale = module._scale(module.from_bytes(top, torch.float32, 1), scales.float()).unsqueeze(1)
+    rms = tiles.square().mean(dim=1, keepdim=True).sqrt()
+    assert ((scale / rms).log2().abs() <= 1 / 32 + 1e-6).all()  # the nearest of the 16-a-octave scales
+    decoded = codec._decode_tiles({"top_scale": top, "scales": scales, "codes": codes}, tiles.numel(), 64)
+    words = module.gaussian_vq_codebook(32) * scale.reshape(-1, 1, 1)  # (tokens, 32, 8) at each token's scale
+    groups = tiles.reshape(40, 8, 8)
+    best = (groups.unsqueeze(2) - words.unsqueeze(1)).square().sum(dim=3).min(dim=2).values  # (tokens, 8)
+    sent = (decoded.reshape(40, 8, 8) - groups).square().sum(dim=2)
+    assert torch.allclose(sent, best, rtol=1e-4, atol=1e-6)
+
+
+def test_hadamard_vq_keeps_the_sink_and_zeros_and_checks_its_levels():
+    from hf_actcomp import Compression
+    x = _sink_and_outlier_channels(rows=2, tokens=64, hidden=128)
+    codec = make_codec("hadamard_vq", levels=256)
+    out = codec.decode(codec.encode(x), x.shape, x.dtype)
+    assert torch.equal(out[:, 3], x[:, 3].bfloat16().float())  # the sink, whole in bf16
+    assert 0.45 < _relative_error(codec, torch.randn(4, 64, 128)) < 0.62  # 1 bit a value: sqrt(0.31)
+    assert torch.equal(codec.decode(codec.encode(torch.zeros(2, 8, 64)), (2, 8, 64), torch.float32),
+                       torch.zeros(2, 8, 64))
+    with pytest.raises(ValueError, match=r"Compression.levels=100 is not valid. Allowed values: 16, 32, 64, 128, 256\."):
+        Compression("hadamard_vq", levels=100)
+    with pytest.raises(ValueError, match=r"needs levels \(allowed: 16, 32, 64, 128, 256\)"):
+        Compression("hadamard_vq")
+    with pytest.raises(ValueError, match="hadamard_vq levels=11 is not valid"):
+        make_codec("hadamard_vq", levels=11)
+    assert Compression("aqsgd", inner="hadamard_vq", levels=64).describe() == "aqsgd-hadamard_vq64"

@@ -149,3 +149,13 @@ def test_hadamard_codebook_at_inference_falls_back_unless_chosen():
     chosen = Compression("aqsgd", bits=2, inference=Compression("hadamard_codebook", levels=15))
     with pytest.warns(UserWarning, match=r"Compression.inference = hadamard_codebook15 was measured to cost more than 1%"):
         assert resolve_inference(chosen) == Compression("hadamard_codebook", levels=15)
+
+
+def test_hadamard_vq_at_inference_falls_back():
+    from hf_actcomp.plan.inference_form import auto_inference, resolve_inference
+    # Under one bit a value: far above 1% at inference (a 3-level code already costs +10%), so
+    # `auto` sends hadamard_outliers 6 and an explicit choice warns.
+    plan = Compression("aqsgd", inner="hadamard_vq", levels=64, first_visit=Compression("hadamard_vq", levels=64))
+    assert resolve_inference(plan) == auto_inference()
+    with pytest.warns(UserWarning, match=r"Compression.inference='direct' \(AQ-SGD's inner codec\) = hadamard_vq64 was"):
+        resolve_inference(Compression("aqsgd", inner="hadamard_vq", levels=64, inference="direct"))

@@ -15,6 +15,7 @@ from .cast import Bf16Codec, Fp16Codec, NoneCodec
 from .hadamard import HadamardCodec
 from .hadamard_codebook import HadamardCodebookCodec
 from .hadamard_outliers import HadamardOutliersCodec
+from .hadamard_vq import HadamardVQCodec
 from .quantize import QuantizeCodec
 from .sparsify import RandKCodec, TopKCodec
 from .topk_quantize import TopKQuantizeCodec
@@ -76,7 +77,7 @@ def make_codec(name: str, **params) -> Codec:
 
 
 for _cls in (NoneCodec, Fp16Codec, Bf16Codec, QuantizeCodec, TopKCodec, RandKCodec, HadamardCodec,
-             HadamardOutliersCodec, HadamardCodebookCodec, TopKQuantizeCodec):
+             HadamardOutliersCodec, HadamardCodebookCodec, HadamardVQCodec, TopKQuantizeCodec):
     register_codec(_cls)
 
 __all__ = [
@@ -92,6 +93,7 @@ __all__ = [
     "HadamardCodebookCodec",
     "HadamardCodec",
     "HadamardOutliersCodec",
+    "HadamardVQCodec",
     "NoneCodec",
     "Param",
     "QuantizeCodec",

@@ -19,7 +19,7 @@ from .config import check_choice, known_fields
 # (`first_visit`) or the tied-embedding rows (`Plan.tie_compression`).
 AQSGD = "aqsgd"
 FEEDBACK_KINDS = ("none", "ef", "ef21")
-AQSGD_INNER = ("quantize", "topk", "hadamard", "hadamard_outliers", "hadamard_codebook")
+AQSGD_INNER = ("quantize", "topk", "hadamard", "hadamard_outliers", "hadamard_codebook", "hadamard_vq")
 FIRST_VISIT = ("full", "direct")
 # What a direction sends at inference (hf_actcomp/plan/inference_form.py resolves them).
 INFERENCE_CHOICES = ("auto", "direct", "none")
@@ -47,7 +47,8 @@ class Compression:
 
     Args:
         method: codec name (`none`, `fp16`, `bf16`, `quantize`, `topk`, `randk`, `hadamard`,
-            `hadamard_outliers`, `hadamard_codebook`, `topk_quantize`, or one registered with `hf_actcomp.register_codec`) or `aqsgd` (delta
+            `hadamard_outliers`, `hadamard_codebook`, `hadamard_vq`, `topk_quantize`, or one registered with
+            `hf_actcomp.register_codec`) or `aqsgd` (delta
             against a per-sample memory, forward direction only). `hadamard`
             rotates each token by a random-sign Hadamard matrix before tile-wise quantization with
             per-tile widths: stateless, for data sets too large for AQ-SGD's memory.
@@ -68,7 +69,7 @@ class Compression:
         value_dtype: dtype of the values a sparsifier sends (`topk_quantize`: of its chunk scales).
         feedback: `none`, `ef` (error feedback) or `ef21`; not combinable with `aqsgd`.
         inner: the codec AQ-SGD applies to deltas: `quantize` (the AQ-SGD paper's), `topk`,
-            `hadamard`, `hadamard_outliers` or `hadamard_codebook` (`levels`). On a real LLM's activations (a massive channel on
+            `hadamard`, `hadamard_outliers`, `hadamard_codebook` or `hadamard_vq` (`levels`). On a real LLM's activations (a massive channel on
             the sink and delimiter tokens) use `hadamard_outliers`: quantize's group scale follows
             that channel's delta and its levels swamp the rest (docs/real_model.md).
         first_visit: what AQ-SGD sends the first time a sample is seen: `full` (uncompressed, as
@@ -83,10 +84,12 @@ class Compression:
             bits; hf_actcomp/plan/inference_form.py), `direct` (the training codec; for `aqsgd`
             its inner codec), `none`, or a stateless `Compression` (a dict is read as one).
         seed: seed of stochastic rounding and random-k index streams (shared by both sides).
-        outliers: channels per token `hadamard_outliers` and `hadamard_codebook` send apart (None:
-            their defaults, 4 and 3).
+        outliers: channels per token `hadamard_outliers`, `hadamard_codebook` and `hadamard_vq` send
+            apart (None: their defaults, 4, 3 and 0).
         levels: the size of `hadamard_codebook`'s Gaussian codebook, odd, 3..15 (11: 3.5 bits a
-            value, 8.0x fewer bytes than fp32 on SmolLM2 with every scale and index counted).
+            value, 8.0x fewer bytes than fp32 on SmolLM2 with every scale and index counted), or of
+            `hadamard_vq`'s codebook of 8-value words, 16..256, a power of two (128: 0.875 bits a
+            value, under one bit with the scales: more than 32x fewer bytes than fp32).
     """
 
     method: str = "none"
