@@ -52,12 +52,16 @@ bench-real-model: setup  # SmolLM2-135M: boundary statistics and codec costs, co
 		--name real_model_finetune_256
 	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --settings none "aqsgd-codebook3 fw/codebook3 bw"
 	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --seeds 0 --merge --settings "topk_quantize 8% 2-bit fw/bw"
+	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --merge --settings "aqsgd-vq64 fw/vq64 bw"
 	$(PY) benchmarks/real_model_sft.py
 	$(PY) benchmarks/real_model_sft.py --stages 2 --seeds 3 4 5 6 7 --merge --settings none \
 		"aqsgd-codebook3 fw/codebook9 bw" "aqsgd-h_o fw2/bw4 warm-up h_o4" "aqsgd fw4/bw8 warm-up h_o4"
 	$(PY) benchmarks/real_model_sft.py --stages 2 --seeds 0 1 2 --merge --settings "aqsgd fw4/bw8 warm-up h_o4"
 	$(PY) benchmarks/real_model_sft.py --stages 4 --seeds 3 4 5 6 7 --merge --settings none "aqsgd fw4/bw8 warm-up h_o4"
 	$(PY) benchmarks/real_model_sft.py --stages 4 --seeds 0 1 2 --merge --settings "aqsgd fw4/bw8 warm-up h_o4"
+	$(PY) benchmarks/real_model_sft.py --stages 4 --seeds 3 4 5 6 7 --merge --settings "aqsgd-h_o fw2/bw4 warm-up h_o4" \
+		"hadamard_outliers fw3/bw6"
+	$(PY) benchmarks/real_model_sft.py --stages 2 --seeds 3 4 5 6 7 --merge --settings "hadamard_outliers fw3/bw6"
 
 REAL_TTQ = --model smollm2 --rate 5 --train_samples 48 --eval_samples 8 --stdlib_files 40 --batch_size 8 \
 	--micro_batches 4 --lr 3e-5 --epochs 3 --max_epochs 4 --eval_every 3 --repeats 1 --peer_steps 1 \
