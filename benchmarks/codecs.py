@@ -50,6 +50,8 @@ CASES = [
     ("hadamard_outliers", dict(bits=4)),
     ("hadamard_outliers", dict(bits=6)),
     ("hadamard_codebook", dict(levels=11)),
+    ("hadamard_vq", dict(levels=64)),
+    ("hadamard_vq", dict(levels=128)),
 ]
 
 # Scalings compared on tensors with outlier channels: the name, the codec and its parameters.

@@ -45,6 +45,7 @@ WARM_UP = Compression("hadamard", bits=4)
 TERNARY = Compression("hadamard_codebook", levels=3, outliers=0)
 AQSGD_TERNARY = Compression("aqsgd", inner="hadamard_codebook", levels=3, outliers=0, first_visit=TERNARY)
 VQ64 = Compression("hadamard_vq", levels=64)  # 0.75 bits a value before the sink and scales
+AQSGD_VQ64 = Compression("aqsgd", inner="hadamard_vq", levels=64, first_visit=VQ64)
 TIES = {"aqsgd fw4/bw8 warm-up h_o4 + tie q8": Compression("quantize", bits=8),
         "aqsgd fw4/bw8 warm-up h_o4 + tie q4": Compression("quantize", bits=4),
         "aqsgd-h_o fw2/bw4 warm-up h_o4 + tie q4": Compression("quantize", bits=4),
@@ -54,7 +55,8 @@ TIES = {"aqsgd fw4/bw8 warm-up h_o4 + tie q8": Compression("quantize", bits=8),
 
 # Settings toward the 32x stretch, run by name into their own file (real_model_finetune_32x), not
 # into the main table.
-STRETCH = ("aqsgd-codebook3 fw/codebook3 bw", "topk_quantize 8% 2-bit fw/bw", "aqsgd-vq64 fw/vq64 bw")
+STRETCH = ("aqsgd-codebook3 fw/codebook3 bw", "topk_quantize 8% 2-bit fw/bw", "aqsgd-vq64 fw/vq64 bw",
+           "aqsgd-vq64 fw/codebook3 bw", "aqsgd-codebook3 fw/vq64 bw")
 
 
 def settings() -> dict[str, tuple[Compression, Compression]]:
@@ -102,7 +104,10 @@ def boundary_settings() -> dict[str, tuple[Compression, Compression]]:
                                          Compression("topk_quantize", ratio=0.08, bits=2)),
         # Under one bit a value by vector quantization (every value sent): 33.6x both ways at 2 x 128
         # tokens, AQ-SGD's deltas and its first epoch included.
-        "aqsgd-vq64 fw/vq64 bw": (Compression("aqsgd", inner="hadamard_vq", levels=64, first_visit=VQ64), VQ64),
+        "aqsgd-vq64 fw/vq64 bw": (AQSGD_VQ64, VQ64),
+        # Which direction costs the quality: each with the other at the ternary code (15.7x).
+        "aqsgd-vq64 fw/codebook3 bw": (AQSGD_VQ64, TERNARY),
+        "aqsgd-codebook3 fw/vq64 bw": (AQSGD_TERNARY, VQ64),
         # AQ-SGD whose deltas go through hadamard_outliers (quantize's groups break on massive values).
         "aqsgd-h_o fw4/bw8 warm-up h_o4": (_aqsgd_outliers(4), q(8)),
         "aqsgd-h_o fw2/bw4 warm-up h_o4": (_aqsgd_outliers(2), q(4)),
