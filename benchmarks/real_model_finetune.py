@@ -87,6 +87,9 @@ def boundary_settings() -> dict[str, tuple[Compression, Compression]]:
         "quantize fw3/bw6": (q(3), q(6)),
         "hadamard_outliers fw4/bw8": (Compression("hadamard_outliers", bits=4), q(8)),
         "hadamard_outliers fw3/bw6": (Compression("hadamard_outliers", bits=3), q(6)),
+        # The inference form's codec forward, 8-bit gradients: the stateless "safe" candidate after
+        # fw4/bw8 and fw3/bw6 ended above 0.3% instruction tuning on 48 pairs (docs/real_model.md).
+        "hadamard_outliers fw6/bw8": (Compression("hadamard_outliers", bits=6), q(8)),
         # The 8x stateless codec (11 levels, ~4 bits a value) at training time.
         "hadamard_codebook11 fw/bw8": (Compression("hadamard_codebook", levels=11), q(8)),
         # The moonshot's byte budget from the first step on: 3 levels forward (1.92 bits a value, 16.7x),
