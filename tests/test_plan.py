@@ -199,3 +199,19 @@ def test_data_parallel_fields():
         Plan(dp_compression="top-k")
     with pytest.raises(ValueError, match="Plan.data_parallel=0 must be an integer >= 1"):
         Plan(data_parallel=0)
+
+
+def test_hadamard_vq_across_several_boundaries_warns():
+    """Under one bit a value `hadamard_vq` held on SmolLM2's one boundary (2 stages) and broke on
+    three (docs/real_model.md): a plan that sends it across several warns, naming what was measured."""
+    import warnings
+
+    vq = Compression("hadamard_vq", levels=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Plan(num_stages=2, forward=Compression("aqsgd", inner="hadamard_vq", levels=64, first_visit=vq), backward=vq)
+        Plan(num_stages=4, forward=Compression("hadamard_outliers", bits=4))
+    with pytest.warns(UserWarning, match=r"hadamard_vq at 4 stages: on SmolLM2-135M .* \+2.3% .* \+20% in instruction tuning"):
+        Plan(num_stages=4, backward=vq)
+    with pytest.warns(UserWarning, match="hadamard_vq at 3 stages"):
+        Plan(num_stages=3, boundaries=[None, {"forward": vq}])
