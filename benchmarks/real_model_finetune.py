@@ -50,6 +50,7 @@ TIES = {"aqsgd fw4/bw8 warm-up h_o4 + tie q8": Compression("quantize", bits=8),
         "aqsgd fw4/bw8 warm-up h_o4 + tie q4": Compression("quantize", bits=4),
         "aqsgd-h_o fw2/bw4 warm-up h_o4 + tie q4": Compression("quantize", bits=4),
         "hadamard_outliers fw3/bw6 + tie q8": Compression("quantize", bits=8),
+        "hadamard_outliers fw6/bw8 + tie q8": Compression("quantize", bits=8),
         "aqsgd-codebook3 fw/codebook9 bw + tie q4": Compression("quantize", bits=4)}
 
 
