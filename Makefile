@@ -52,6 +52,7 @@ bench-real-model: setup  # SmolLM2-135M: boundary statistics and codec costs, co
 		--name real_model_finetune_256
 	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --settings none "aqsgd-codebook3 fw/codebook3 bw"
 	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --seeds 0 --merge --settings "topk_quantize 8% 2-bit fw/bw"
+	$(PY) benchmarks/real_model_finetune.py --merge --settings "hadamard_outliers fw6/bw8" "hadamard_outliers fw6/bw8 + tie q8"
 	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --merge --settings "aqsgd-vq64 fw/vq64 bw"
 	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --stages 4 --seeds 0 --merge \
 		--settings "aqsgd-vq64 fw/codebook3 bw" "aqsgd-codebook3 fw/vq64 bw"
@@ -65,6 +66,7 @@ bench-real-model: setup  # SmolLM2-135M: boundary statistics and codec costs, co
 		"hadamard_outliers fw3/bw6"
 	$(PY) benchmarks/real_model_sft.py --stages 2 --seeds 3 4 5 6 7 --merge --settings "hadamard_outliers fw3/bw6"
 	$(PY) benchmarks/real_model_sft.py --seeds 0 1 2 --merge --settings "aqsgd-vq64 fw/vq64 bw"
+	$(PY) benchmarks/real_model_sft.py --seeds 0 1 2 3 4 5 6 7 --merge --settings "hadamard_outliers fw6/bw8"
 
 REAL_TTQ = --model smollm2 --rate 5 --train_samples 48 --eval_samples 8 --stdlib_files 40 --batch_size 8 \
 	--micro_batches 4 --lr 3e-5 --epochs 3 --max_epochs 4 --eval_every 3 --repeats 1 --peer_steps 1 \

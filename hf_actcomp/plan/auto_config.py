@@ -20,9 +20,10 @@ class AutoConfig:
 
     Args:
         quality: which measured settings may be picked (docs/quality.md), and at what charge:
-            `"safe"` those within 0.3% of uncompressed fine-tuning's eval loss in every seed, the
-            ones measured to need more steps to a target loss charged the worst run's extra steps
-            (docs/auto.md); `"fast"` those within 1% (median over seeds), charged the median.
+            `"safe"` those within 0.3% of uncompressed fine-tuning's eval loss in every seed of
+            continued training and by the median of 8 seeds instruction tuning, the ones measured
+            to need more steps to a target loss charged the worst run's extra steps (docs/auto.md);
+            `"fast"` those within 1% (median over seeds), charged the median.
         aqsgd: pick AQ-SGD for activations (needs `memory.num_samples` and a `sample_id` in
             every training batch; `ActCompTrainer` fills both); else stateless quantization.
         adapt_every: re-measure every N optimizer steps and switch a boundary's codec when the

@@ -1,6 +1,6 @@
 """Worker of the Plan.auto tests: `python auto_worker.py SCENARIO OUT_DIR`.
 
-mixed (3 ranks): boundary 0 faked fast, boundary 1 faked slow; 4 SGD steps; losses, stats, plan.
+mixed (3 ranks): Plan.auto(quality="fast"), boundary 0 faked fast, boundary 1 faked slow; 4 SGD steps; losses, stats, plan.
 shaped (2 ranks, each in its own network namespace): what Plan.auto measures over a real shaped link.
 adapt (2 ranks): a plain `none` run of 2 steps, then Plan.auto(aqsgd, quality="fast", adapt_every=2) for 6 steps
     whose faked link slows down after steps 2 and 4; then a fresh auto pipeline loads the state.
@@ -28,7 +28,8 @@ def link(mbit: float) -> dict:
 
 def mixed(out_dir: str) -> None:
     os.environ[FAKE_LINKS_ENV] = json.dumps({"0": link(10_000), "1": link(0.1)})
-    pipe = hf_actcomp.prepare(debug_model("gpt2", seed=0), Plan.auto(num_stages=3, micro_batches=4), timeout=60)
+    pipe = hf_actcomp.prepare(debug_model("gpt2", seed=0), Plan.auto(num_stages=3, micro_batches=4, quality="fast"),
+                              timeout=60)
     losses = sgd_losses(pipe, lambda batch: pipe.train_step(batch).loss, 4)
     return {"losses": losses, "stats": pipe.stats(gather=True), "plan": pipe.plan.to_dict()}
 
