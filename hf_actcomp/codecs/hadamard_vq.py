@@ -1,8 +1,8 @@
 """`hadamard_vq`: `hadamard_outliers` whose rotated rest is vector-quantized, under one bit a value.
 
 A scalar code spends at least one bit a value (two levels), plus its scales: at SmolLM2's width a
-1-bit code with a byte of scale per token and the sink token in bf16 sends 31.6x fewer bytes than
-fp32, never 32x. Below one bit only two things go: dropping values (`topk_quantize`: every value
+1-bit code with a byte of scale per token sends 31.6x fewer bytes than fp32 (less with the sink
+token apart), never 32x. Below one bit only two things go: dropping values (`topk_quantize`: every value
 it drops is lost) or coding several values together. This codec does the second. After the random
 Hadamard rotation each token's values are close to Gaussian with one variance, so:
 
