@@ -83,8 +83,12 @@ class HadamardVQCodec(HadamardOutliersCodec):
     def __init__(self, levels: int, outliers: int = DEFAULT_OUTLIERS, seed: int = 0) -> None:
         self.check_params(levels=levels, outliers=outliers)
         self.levels, self.outliers, self.seed = int(levels), int(outliers), seed
-        self.index_bits = self.levels.bit_length() - 1
         self._rotation = HadamardCodec(bits=8, seed=seed)  # its random signs and transform only
+
+    @property
+    def index_bits(self) -> int:
+        """Bits a codeword's index takes: log2(levels)."""
+        return self.levels.bit_length() - 1
 
     def _tile(self, hidden: int) -> int:
         return hidden  # one scale per token
