@@ -511,3 +511,31 @@ def test_hadamard_vq_keeps_the_sink_and_zeros_and_checks_its_levels():
     with pytest.raises(ValueError, match="hadamard_vq levels=11 is not valid"):
         make_codec("hadamard_vq", levels=11)
     assert Compression("aqsgd", inner="hadamard_vq", levels=64).describe() == "aqsgd-hadamard_vq64"
+
+
+def test_hadamard_vq_without_sink_and_mean_sends_only_scales_and_words():
+    """`sink_and_mean=False` (for AQ-SGD's deltas): no sink index, sink token nor mean in the
+    payload, every token (the sink's too) coded at its own scale; the label says so."""
+    from hf_actcomp import Compression
+    codec = make_codec("hadamard_vq", levels=128, sink_and_mean=False)
+    rows, tokens, hidden = 2, 16, 64
+    n = rows * tokens
+    assert codec.payload_nbytes((rows, tokens, hidden), torch.float32) == 4 + n + n * hidden // 8 * 7 // 8 == 260
+    x = _sink_and_outlier_channels()
+    payload = codec.encode(x)
+    assert payload.numel() == 260
+    out = codec.decode(payload, x.shape, x.dtype)
+    assert not torch.equal(out[:, 3], x[:, 3].bfloat16().float())  # the sink is coded, not sent whole
+    sink_error = (out[:, 3] - x[:, 3]).norm() / x[:, 3].norm()
+    assert 0.3 < sink_error < 0.8  # at its own scale: the codebook's relative error, not swamped
+    # SmolLM2's 2 x 128-token micro-batch: 128 words 36.0x fewer bytes than fp32 (29.7x with the sink
+    # and the mean apart), 64 words 41.9x.
+    ratio = lambda levels: 4 * 2 * 128 * 576 / make_codec(  # noqa: E731
+        "hadamard_vq", levels=levels, sink_and_mean=False).payload_nbytes((2, 128, 576), torch.float32)
+    assert ratio(128) == pytest.approx(35.99, abs=0.01) and ratio(64) == pytest.approx(41.88, abs=0.01)
+    warm_up = Compression("hadamard_vq", levels=256)
+    assert Compression("aqsgd", inner="hadamard_vq", levels=128, sink_and_mean=False, first_visit=warm_up).describe() \
+        == "aqsgd-hadamard_vq128-nosink (warm-up hadamard_vq256)"
+    assert Compression("hadamard_vq", levels=64, sink_and_mean=True).describe() == "hadamard_vq64"
+    with pytest.raises(ValueError, match=r"Compression.sink_and_mean='no' is not valid. Allowed values: True, False\."):
+        Compression("hadamard_vq", levels=64, sink_and_mean="no")

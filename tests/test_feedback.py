@@ -85,13 +85,15 @@ def test_ef21_sender_and_receiver_estimates_agree():
 
 def aqsgd_pair(first_visit="full", inner="quantize", num_samples=8, dtype="fp32"):
     kwargs = {"topk": dict(ratio=0.3), "hadamard_codebook": dict(levels=11),
-              "hadamard_vq": dict(levels=64)}.get(inner, dict(bits=4))
-    compression = Compression("aqsgd", inner=inner, first_visit=first_visit, **kwargs)
+              "hadamard_vq": dict(levels=64), "hadamard_vq-nosink": dict(levels=64, sink_and_mean=False)
+              }.get(inner, dict(bits=4))
+    compression = Compression("aqsgd", inner=inner.removesuffix("-nosink"), first_visit=first_visit, **kwargs)
     memory = MemoryConfig(store="host", dtype=dtype, num_samples=num_samples)
     return pair(compression, memory)
 
 
-@pytest.mark.parametrize("inner", ["quantize", "topk", "hadamard", "hadamard_outliers", "hadamard_codebook", "hadamard_vq"])
+@pytest.mark.parametrize("inner", ["quantize", "topk", "hadamard", "hadamard_outliers", "hadamard_codebook", "hadamard_vq",
+                                   "hadamard_vq-nosink"])
 def test_aqsgd_memories_stay_identical_and_deltas_shrink(inner):
     sender, receiver = aqsgd_pair(inner=inner)
     assert isinstance(sender, AQSGDSender)

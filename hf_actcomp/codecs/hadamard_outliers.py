@@ -55,6 +55,7 @@ class HadamardOutliersCodec(Codec):
     """
 
     name = "hadamard_outliers"
+    sink_and_mean = True  # steps 1-2 of the module docstring (`hadamard_vq` may turn them off)
     params = {**{key: QuantizeCodec.params[key] for key in ("bits", "group_size", "rounding", "seed")},
               "outliers": OUTLIERS}
 
@@ -82,8 +83,9 @@ class HadamardOutliersCodec(Codec):
             raise ValueError(f"hadamard_outliers sends channel indices as int16: hidden size {hidden} is above {1 << 15}.")
         n = rows * tokens
         k = min(self.outliers, hidden - 1)
-        return {"sink_index": 4 * rows, "sink": 2 * rows * hidden, "mean": 2 * hidden, "outlier_index": 2 * n * k,
-                "outlier": 2 * n * k, **self._tile_sizes(n * hidden, self._tile(hidden))}
+        apart = {"sink_index": 4 * rows, "sink": 2 * rows * hidden, "mean": 2 * hidden} if self.sink_and_mean else {}
+        return {**apart, "outlier_index": 2 * n * k, "outlier": 2 * n * k,
+                **self._tile_sizes(n * hidden, self._tile(hidden))}
 
     # -- the rotated rest, per tile (a subclass may quantize it otherwise) ---------------------
     def _tile(self, hidden: int) -> int:
@@ -118,22 +120,24 @@ class HadamardOutliersCodec(Codec):
         if tokens <= 1 or x.numel() == 0:
             return as_bytes(x.detach().to(torch.bfloat16))
         x = x.detach().float().reshape(rows, tokens, hidden)
-        sink = x.norm(dim=-1).argmax(dim=1)  # (rows,)
-        picked = torch.arange(rows, device=x.device)
-        sink_values = x[picked, sink].to(torch.bfloat16)
-        rest = x.clone()
-        rest[picked, sink] = 0.0
-        mean = (rest.sum(dim=(0, 1)) / (rows * (tokens - 1))).half()
-        rest.sub_(mean.float())
-        rest[picked, sink] = 0.0
+        rest, apart = x.clone(), []
+        if self.sink_and_mean:
+            sink = x.norm(dim=-1).argmax(dim=1)  # (rows,)
+            picked = torch.arange(rows, device=x.device)
+            sink_values = x[picked, sink].to(torch.bfloat16)
+            rest[picked, sink] = 0.0
+            mean = (rest.sum(dim=(0, 1)) / (rows * (tokens - 1))).half()
+            rest.sub_(mean.float())
+            rest[picked, sink] = 0.0
+            apart = [as_bytes(sink.to(torch.int32)), as_bytes(sink_values), as_bytes(mean)]
         rest = rest.reshape(-1, hidden)
         k = min(self.outliers, hidden - 1)
         index = rest.abs().topk(k, dim=-1).indices if k else rest.new_zeros(rest.shape[0], 0, dtype=torch.long)
         outlier_values = rest.gather(-1, index).to(torch.bfloat16)
         rest.scatter_(-1, index, 0.0)
         tiles = self._rotation.rotate(rest).reshape(-1, self._tile(hidden))
-        return torch.cat([as_bytes(sink.to(torch.int32)), as_bytes(sink_values), as_bytes(mean),
-                          as_bytes(index.to(torch.int16)), as_bytes(outlier_values), *self._encode_tiles(tiles)])
+        return torch.cat([*apart, as_bytes(index.to(torch.int16)), as_bytes(outlier_values),
+                          *self._encode_tiles(tiles)])
 
     def decode(self, payload, shape, dtype):
         rows, tokens, hidden = self._dims(shape)
@@ -148,10 +152,11 @@ class HadamardOutliersCodec(Codec):
         out = self._rotation.unrotate(self._decode_tiles(parts, n * hidden, self._tile(hidden)).reshape(n, hidden))
         index = from_bytes(parts["outlier_index"], torch.int16, n * k).reshape(n, k).long()
         out.scatter_(-1, index, from_bytes(parts["outlier"], torch.bfloat16, n * k).reshape(n, k).float())
-        out = (out + from_bytes(parts["mean"], torch.float16, hidden).float()).reshape(rows, tokens, hidden)
-        sink = from_bytes(parts["sink_index"], torch.int32, rows).long()
-        out[torch.arange(rows, device=out.device), sink] = from_bytes(parts["sink"], torch.bfloat16,
-                                                                        rows * hidden).reshape(rows, hidden).float()
+        if self.sink_and_mean:
+            out = (out + from_bytes(parts["mean"], torch.float16, hidden).float()).reshape(rows, tokens, hidden)
+            sink = from_bytes(parts["sink_index"], torch.int32, rows).long()
+            out[torch.arange(rows, device=out.device), sink] = from_bytes(
+                parts["sink"], torch.bfloat16, rows * hidden).reshape(rows, hidden).float()
         return out.reshape(tuple(shape)).to(dtype)
 
     def state_dict(self):

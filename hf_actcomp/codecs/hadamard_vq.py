@@ -18,6 +18,10 @@ least-squares estimate given the index: small on average (a 128-word codebook ke
 Gaussian's energy, relative error 0.61), never amplified. Measured in training on SmolLM2 in
 docs/real_model.md. The sink token, the channel mean and `outliers` channels per token go apart as
 in `hadamard_outliers` (default 0 here: at 3 a token they alone cost 0.17 bits a value).
+`sink_and_mean=False` codes the sink token and the channel mean with the rest (each token at its own
+scale, the sink's too): 0.2 bits a value fewer at SmolLM2's 2 x 128-token micro-batches (the sink in
+bf16 and the fp16 mean are 21% of a 64-word message), meant for AQ-SGD's deltas, which a later visit
+corrects, not for activations (a sink at the codebook's relative error).
 Deterministic and stateless; the payload size follows from the shape alone.
 """
 
@@ -35,6 +39,7 @@ from .packing import pack_bits, packed_nbytes, unpack_bits
 
 DIM = 8  # values per codeword
 VQ_LEVELS = Param(required=True, choices=(16, 32, 64, 128, 256))
+SINK_AND_MEAN = Param(choices=(True, False))
 DEFAULT_OUTLIERS = 0
 _FIT_SAMPLES = 1 << 16
 _FIT_STEPS = 40
@@ -75,15 +80,23 @@ class HadamardVQCodec(HadamardOutliersCodec):
         levels: codewords, 16..256, a power of two (128: 0.875 bits a value; 64: 0.75).
         outliers: channels per token sent apart, 0..64 (default 0).
         seed: seed of the random signs of the rotation.
+        sink_and_mean: send each sequence's sink token (bf16) and the channel mean (fp16) apart
+            (default); False codes them with the rest, for AQ-SGD's deltas (module docstring).
     """
 
     name = "hadamard_vq"
-    params = {"levels": VQ_LEVELS, "outliers": OUTLIERS, "seed": SEED}
+    params = {"levels": VQ_LEVELS, "outliers": OUTLIERS, "seed": SEED, "sink_and_mean": SINK_AND_MEAN}
 
-    def __init__(self, levels: int, outliers: int = DEFAULT_OUTLIERS, seed: int = 0) -> None:
-        self.check_params(levels=levels, outliers=outliers)
+    def __init__(self, levels: int, outliers: int = DEFAULT_OUTLIERS, seed: int = 0, sink_and_mean: bool = True) -> None:
+        self.check_params(levels=levels, outliers=outliers, sink_and_mean=sink_and_mean)
         self.levels, self.outliers, self.seed = int(levels), int(outliers), seed
+        self.sink_and_mean = bool(sink_and_mean)
         self._rotation = HadamardCodec(bits=8, seed=seed)  # its random signs and transform only
+
+    @classmethod
+    def label(cls, params) -> str:
+        """`hadamard_vq64`, or `hadamard_vq64-nosink` with the sink and mean coded with the rest."""
+        return super().label(params) + ("" if params.get("sink_and_mean", True) else "-nosink")
 
     @property
     def index_bits(self) -> int:
