@@ -51,6 +51,7 @@ AQSGD_VQ64 = Compression("aqsgd", inner="hadamard_vq", levels=64, first_visit=VQ
 VQ256 = Compression("hadamard_vq", levels=256)
 AQSGD_VQ128_NOSINK = Compression("aqsgd", inner="hadamard_vq", levels=128, sink_and_mean=False, first_visit=VQ256)
 AQSGD_VQ64_NOSINK = Compression("aqsgd", inner="hadamard_vq", levels=64, sink_and_mean=False, first_visit=VQ256)
+AQSGD_VQ64_FIRST256 = Compression("aqsgd", inner="hadamard_vq", levels=64, first_visit=VQ256)  # 30.9x: a diagnostic
 TIES = {"aqsgd fw4/bw8 warm-up h_o4 + tie q8": Compression("quantize", bits=8),
         "aqsgd fw4/bw8 warm-up h_o4 + tie q4": Compression("quantize", bits=4),
         "aqsgd-h_o fw2/bw4 warm-up h_o4 + tie q4": Compression("quantize", bits=4),
@@ -63,7 +64,8 @@ TIES = {"aqsgd fw4/bw8 warm-up h_o4 + tie q8": Compression("quantize", bits=8),
 # into the main table.
 STRETCH = ("aqsgd-codebook3 fw/codebook3 bw", "topk_quantize 8% 2-bit fw/bw", "aqsgd-vq64 fw/vq64 bw",
            "aqsgd-vq64 fw/codebook3 bw", "aqsgd-codebook3 fw/vq64 bw",
-           "aqsgd-vq128-nosink (first epoch vq256) fw/vq64 bw", "aqsgd-vq64-nosink (first epoch vq256) fw/vq64 bw")
+           "aqsgd-vq128-nosink (first epoch vq256) fw/vq64 bw", "aqsgd-vq64-nosink (first epoch vq256) fw/vq64 bw",
+           "aqsgd-vq64 (first epoch vq256) fw/vq64 bw")
 
 
 def settings() -> dict[str, tuple[Compression, Compression]]:
@@ -121,6 +123,8 @@ def boundary_settings() -> dict[str, tuple[Compression, Compression]]:
         # The forward's first epoch is what costs at 4 stages: a 1-bit one, paid for by cheaper deltas.
         "aqsgd-vq128-nosink (first epoch vq256) fw/vq64 bw": (AQSGD_VQ128_NOSINK, VQ64),
         "aqsgd-vq64-nosink (first epoch vq256) fw/vq64 bw": (AQSGD_VQ64_NOSINK, VQ64),
+        # Which of the two changes costs: the 1-bit first epoch alone, deltas with the sink and mean apart.
+        "aqsgd-vq64 (first epoch vq256) fw/vq64 bw": (AQSGD_VQ64_FIRST256, VQ64),
         # AQ-SGD whose deltas go through hadamard_outliers (quantize's groups break on massive values).
         "aqsgd-h_o fw4/bw8 warm-up h_o4": (_aqsgd_outliers(4), q(8)),
         "aqsgd-h_o fw2/bw4 warm-up h_o4": (_aqsgd_outliers(2), q(4)),
