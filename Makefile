@@ -128,6 +128,9 @@ bench-real-model-time-to-quality: setup  # SmolLM2-135M at 5 Mbit/s against torc
 	OMP_NUM_THREADS=1 $(PY) benchmarks/time_to_quality.py --model smollm2 --rate 5 --train_samples 192 --eval_samples 16 --stdlib_files 40 --batch_size 8 --micro_batches 4 \
 		--lr 3e-5 --epochs 1 --max_epochs 2 --eval_every 4 --repeats 2 --name time_to_quality_smollm2_5mbit_1epoch_auto_2rounds \
 		--methods "ours, uncompressed" "ours, auto" "ours, AQ-SGD(h_o) fw2/bw4, warm-up h_o4, tie q8"
+	OMP_NUM_THREADS=1 $(PY) benchmarks/time_to_quality.py --model smollm2 --rate 5 --train_samples 96 --eval_samples 16 --stdlib_files 40 --batch_size 8 \
+		--micro_batches 4 --lr 1e-5 --epochs 3 --max_epochs 4 --eval_every 4 --repeats 1 --name time_to_quality_smollm2_5mbit_3epoch_auto_today \
+		--methods "ours, uncompressed" "ours, auto" "ours, AQ-SGD(h_o) fw2/bw4, warm-up h_o4, tie q4"
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_2EPOCH)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_3EPOCH)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_3EPOCH_TIE)
