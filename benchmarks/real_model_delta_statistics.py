@@ -42,6 +42,7 @@ from hf_actcomp.models.registry import get_adapter  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 FIRST_VISIT = {"hadamard_vq 64": Compression("hadamard_vq", levels=64),
+               "hadamard_vq 64, 1 outlier": Compression("hadamard_vq", levels=64, outliers=1),
                "hadamard_codebook 3": Compression("hadamard_codebook", levels=3, outliers=0)}
 
 

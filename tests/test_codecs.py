@@ -537,5 +537,6 @@ def test_hadamard_vq_without_sink_and_mean_sends_only_scales_and_words():
     assert Compression("aqsgd", inner="hadamard_vq", levels=128, sink_and_mean=False, first_visit=warm_up).describe() \
         == "aqsgd-hadamard_vq128-nosink (warm-up hadamard_vq256)"
     assert Compression("hadamard_vq", levels=64, sink_and_mean=True).describe() == "hadamard_vq64"
+    assert Compression("hadamard_vq", levels=32, outliers=1).describe() == "hadamard_vq32-o1"
     with pytest.raises(ValueError, match=r"Compression.sink_and_mean='no' is not valid. Allowed values: True, False\."):
         Compression("hadamard_vq", levels=64, sink_and_mean="no")

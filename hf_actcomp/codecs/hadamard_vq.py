@@ -95,8 +95,11 @@ class HadamardVQCodec(HadamardOutliersCodec):
 
     @classmethod
     def label(cls, params) -> str:
-        """`hadamard_vq64`, or `hadamard_vq64-nosink` with the sink and mean coded with the rest."""
-        return super().label(params) + ("" if params.get("sink_and_mean", True) else "-nosink")
+        """`hadamard_vq64`; `-o1` with an outlier channel a token apart, `-nosink` with the sink
+        and mean coded with the rest."""
+        outliers = params.get("outliers") or 0
+        return (super().label(params) + (f"-o{outliers}" if outliers else "")
+                + ("" if params.get("sink_and_mean", True) else "-nosink"))
 
     @property
     def index_bits(self) -> int:
