@@ -21,7 +21,9 @@ in `hadamard_outliers` (default 0 here: at 3 a token they alone cost 0.17 bits a
 `sink_and_mean=False` codes the sink token and the channel mean with the rest (each token at its own
 scale, the sink's too): 0.2 bits a value fewer at SmolLM2's 2 x 128-token micro-batches (the sink in
 bf16 and the fp16 mean are 21% of a 64-word message), meant for AQ-SGD's deltas, which a later visit
-corrects, not for activations (a sink at the codebook's relative error).
+corrects, not for activations (a sink at the codebook's relative error). On SmolLM2 the sink and the
+mean carry most of a delta's energy at some boundaries, and across 3 boundaries it cost more than
+the bytes it saved bought (docs/real_model.md).
 Deterministic and stateless; the payload size follows from the shape alone.
 """
 

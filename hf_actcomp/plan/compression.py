@@ -92,7 +92,8 @@ class Compression:
             value, under one bit with the scales: more than 32x fewer bytes than fp32).
         sink_and_mean: whether `hadamard_vq` sends each sequence's sink token and the channel
             mean apart (None: yes). False codes them with the rest, 0.2 bits a value fewer on
-            SmolLM2, for AQ-SGD's deltas (`inner="hadamard_vq"`), not for activations.
+            SmolLM2, for AQ-SGD's deltas (`inner="hadamard_vq"`), not for activations; measured
+            to cost more than it saves across 3 boundaries (docs/real_model.md).
     """
 
     method: str = "none"
