@@ -138,6 +138,9 @@ bench-real-model-time-to-quality: setup  # SmolLM2-135M at 5 Mbit/s against torc
 	OMP_NUM_THREADS=1 $(PY) benchmarks/time_to_quality.py --model smollm2 --rate 5 --train_samples 96 --eval_samples 16 --stdlib_files 40 --batch_size 8 \
 		--micro_batches 4 --lr 1e-5 --epochs 3 --max_epochs 4 --eval_every 4 --repeats 1 --name time_to_quality_smollm2_5mbit_3epoch_auto_today \
 		--methods "ours, uncompressed" "ours, auto" "ours, AQ-SGD(h_o) fw2/bw4, warm-up h_o4, tie q4"
+	OMP_NUM_THREADS=1 $(PY) benchmarks/time_to_quality.py --model smollm2 --rate 5 --train_samples 96 --eval_samples 16 --stdlib_files 40 --batch_size 8 \
+		--micro_batches 4 --lr 1e-5 --epochs 3 --max_epochs 4 --eval_every 4 --repeats 1 --name time_to_quality_smollm2_5mbit_3epoch_auto_today_round2 \
+		--methods "ours, AQ-SGD(h_o) fw2/bw4, warm-up h_o4, tie q4" "ours, auto" "ours, uncompressed"
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_2EPOCH)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_3EPOCH)
 	$(PY) benchmarks/time_to_quality.py $(REAL_TTQ_3EPOCH_TIE)
