@@ -58,6 +58,15 @@ AQSGD_VQ64_FIRST256 = Compression("aqsgd", inner="hadamard_vq", levels=64, first
 VQ64_O1 = Compression("hadamard_vq", levels=64, outliers=1)
 AQSGD_VQ32_O1 = Compression("aqsgd", inner="hadamard_vq", levels=32, outliers=1, first_visit=VQ64_O1)
 AQSGD_VQ64_O1 = Compression("aqsgd", inner="hadamard_vq", levels=64, outliers=1, first_visit=VQ64_O1)  # 31.7x: a diagnostic
+# A first epoch that keeps the 4-stage forward working (the ternary code, 15.7x: under one bit a
+# value, the training loss at 4 stages runs 2-4 times uncompressed's), paid for by revisits that
+# send nothing (`refresh_every=2`: the second epoch reuses the memory, the third sends deltas):
+# 33.5x forward over three epochs with 32-word deltas, 32.1x with 64; refresh_every=3 sends no delta
+# in three epochs (47.1x: what the stale memory alone costs, a diagnostic).
+AQSGD_VQ32_REFRESH2 = Compression("aqsgd", inner="hadamard_vq", levels=32, refresh_every=2, first_visit=TERNARY)
+AQSGD_VQ64_REFRESH2 = Compression("aqsgd", inner="hadamard_vq", levels=64, refresh_every=2, first_visit=TERNARY)
+AQSGD_TERNARY_REFRESH3 = Compression("aqsgd", inner="hadamard_codebook", levels=3, outliers=0, refresh_every=3,
+                                     first_visit=TERNARY)
 TIES = {"aqsgd fw4/bw8 warm-up h_o4 + tie q8": Compression("quantize", bits=8),
         "aqsgd fw4/bw8 warm-up h_o4 + tie q4": Compression("quantize", bits=4),
         "aqsgd-h_o fw2/bw4 warm-up h_o4 + tie q4": Compression("quantize", bits=4),
@@ -72,7 +81,8 @@ STRETCH = ("aqsgd-codebook3 fw/codebook3 bw", "topk_quantize 8% 2-bit fw/bw", "a
            "aqsgd-vq64 fw/codebook3 bw", "aqsgd-codebook3 fw/vq64 bw",
            "aqsgd-vq128-nosink (first epoch vq256) fw/vq64 bw", "aqsgd-vq64-nosink (first epoch vq256) fw/vq64 bw",
            "aqsgd-vq64 (first epoch vq256) fw/vq64 bw", "aqsgd-vq32o1 (first epoch vq64o1) fw/vq64 bw",
-           "aqsgd-vq64o1 fw/vq64 bw")
+           "aqsgd-vq64o1 fw/vq64 bw", "aqsgd-vq32 refresh 2 (first epoch codebook3) fw/vq64 bw",
+           "aqsgd-vq64 refresh 2 (first epoch codebook3) fw/vq64 bw", "aqsgd refresh 3 (first epoch codebook3) fw/vq64 bw")
 
 
 def settings() -> dict[str, tuple[Compression, Compression]]:
@@ -136,6 +146,11 @@ def boundary_settings() -> dict[str, tuple[Compression, Compression]]:
         # and 64 words throughout (31.7x, under the stretch's bytes: which part the outlier buys).
         "aqsgd-vq32o1 (first epoch vq64o1) fw/vq64 bw": (AQSGD_VQ32_O1, VQ64),
         "aqsgd-vq64o1 fw/vq64 bw": (AQSGD_VQ64_O1, VQ64),
+        # A ternary first epoch, the second reusing the memory, deltas in the third (33.5x / 32.1x
+        # forward over the run), and no delta at all (47.1x, a diagnostic).
+        "aqsgd-vq32 refresh 2 (first epoch codebook3) fw/vq64 bw": (AQSGD_VQ32_REFRESH2, VQ64),
+        "aqsgd-vq64 refresh 2 (first epoch codebook3) fw/vq64 bw": (AQSGD_VQ64_REFRESH2, VQ64),
+        "aqsgd refresh 3 (first epoch codebook3) fw/vq64 bw": (AQSGD_TERNARY_REFRESH3, VQ64),
         # AQ-SGD whose deltas go through hadamard_outliers (quantize's groups break on massive values).
         "aqsgd-h_o fw4/bw8 warm-up h_o4": (_aqsgd_outliers(4), q(8)),
         "aqsgd-h_o fw2/bw4 warm-up h_o4": (_aqsgd_outliers(2), q(4)),

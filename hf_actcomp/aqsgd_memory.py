@@ -116,7 +116,9 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 
 class MemoryStore:
-    """A table of `num_samples` activations with a `seen` flag per sample.
+    """A table of `num_samples` activations with a `seen` flag and a visit count per sample (the
+    count tells `Compression.refresh_every`'s revisits that send a delta from those that reuse
+    the memory).
 
     Args:
         num_samples: rows of the table (every sample id lies in `[0, num_samples)`).
@@ -135,6 +137,7 @@ class MemoryStore:
         self.config = config
         self.name = name
         self.seen = torch.zeros(num_samples, dtype=torch.bool)
+        self.visits = torch.zeros(num_samples, dtype=torch.int64)
         self.sample_shape: tuple[int, ...] | None = None
         self.values: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None  # int8 storage only: one scale per token
@@ -216,6 +219,7 @@ class MemoryStore:
         """Empty the store and remove the files it created (`mmap`). Safe to call twice."""
         self.values = self.scales = self.sample_shape = self._loaded = self._temp_dir = None
         self.seen.zero_()
+        self.visits.zero_()
         _remove_created(self._created)
 
     def _materialize(self, device: torch.device) -> None:
@@ -230,6 +234,14 @@ class MemoryStore:
     def is_seen(self, ids: torch.Tensor) -> torch.Tensor:
         """Bool mask (CPU) of the ids that already have memory."""
         return self.seen[ids]
+
+    def visit_counts(self, ids: torch.Tensor) -> torch.Tensor:
+        """How many times each of `ids` (CPU int64) was visited before (0: never)."""
+        return self.visits[ids]
+
+    def count_visit(self, ids: torch.Tensor) -> None:
+        """One more visit of each of `ids` (once per batch that carries them, on both ends)."""
+        self.visits[ids] += 1
 
     def read(self, ids: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """Stored activations of `ids` (CPU int64), as `dtype` on `device`."""
@@ -270,7 +282,7 @@ class MemoryStore:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {"seen": self.seen.clone()}
+        state = {"seen": self.seen.clone(), "visits": self.visits.clone()}
         if self._loaded is not None:
             state.update(self._loaded)
         if self.values is not None:
@@ -308,6 +320,9 @@ class MemoryStore:
                     f"{tuple(values.shape[1:])}, this store {self.sample_shape}."
                 )
         self.seen.copy_(seen)
+        # A checkpoint from before visits were counted: one visit per seen sample (only the
+        # schedule of `refresh_every` > 1 reads the count).
+        self.visits.copy_(state["visits"] if "visits" in state else seen.to(torch.int64))
         if values is None:
             return
         if self.values is None and self.config.store != "device":

@@ -110,11 +110,14 @@ class EF21Receiver(Receiver):
 
 class AQSGDReceiver(Receiver):
     """AQ-SGD: m(xi) per sample; the payload carries Q(a - m) for seen samples, and the first-visit
-    encoding for new ones. The output, and the new m, is m + decoded delta."""
+    encoding for new ones. The output, and the new m, is m + decoded delta. With
+    `Compression.refresh_every` = k > 1 only every k-th revisit of a sample carries its delta; on
+    the others nothing crosses for it and the output is m as stored."""
 
     def __init__(self, compression: Compression, memory: MemoryConfig, name: str,
                  sample_range: range | None = None, compiling: dict | None = None) -> None:
         super().__init__(build_codec(compression, compiling))
+        self.refresh_every = compression.refresh_every
         # Its decoded value becomes the memory entry (see `decode`), which later deltas correct.
         self.first_codec = build_first_visit_codec(compression, compiling)
         # A data-parallel replica keeps rows for its shard's ids only; row = id - shard start.
@@ -122,14 +125,18 @@ class AQSGDReceiver(Receiver):
         rows = len(sample_range) if sample_range is not None else memory.num_samples
         self.memory = MemoryStore(rows, memory, name=name)
 
-    def _split(self, shape: Sequence[int], sample_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(memory rows of the batch, positions of unseen rows, positions of seen rows)."""
+    def _split(self, shape: Sequence[int], sample_ids: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(memory rows of the batch, positions of unseen rows, of seen rows whose delta crosses
+        this visit, of seen rows that reuse their memory as is: `refresh_every`'s other revisits)."""
         shard = self.sample_range
         ids = check_sample_ids(sample_ids, shard if shard is not None else self.memory.num_samples, shape[0])
         if shard is not None:
             ids = ids - shard.start
         seen = self.memory.is_seen(ids)
-        return ids, (~seen).nonzero().flatten(), seen.nonzero().flatten()
+        refresh = seen & (self.memory.visit_counts(ids) % self.refresh_every == 0)
+        return (ids, (~seen).nonzero().flatten(), refresh.nonzero().flatten(),
+                (seen & ~refresh).nonzero().flatten())
 
     def _sizes(self, shape: Sequence[int], dtype: torch.dtype, n_new: int, n_seen: int) -> tuple[int, int]:
         rest = tuple(shape[1:])
@@ -138,11 +145,11 @@ class AQSGDReceiver(Receiver):
         return new_bytes, seen_bytes
 
     def payload_nbytes(self, shape, dtype, sample_ids=None):
-        _, new, seen = self._split(shape, sample_ids)
+        _, new, seen, _ = self._split(shape, sample_ids)
         return sum(self._sizes(shape, dtype, new.numel(), seen.numel()))
 
     def decode(self, payload, shape, dtype, *, sample_ids=None, slot=0):
-        ids, new, seen = self._split(shape, sample_ids)
+        ids, new, seen, reused = self._split(shape, sample_ids)
         new_bytes, seen_bytes = self._sizes(shape, dtype, new.numel(), seen.numel())
         if payload.numel() != new_bytes + seen_bytes:
             raise ValueError(
@@ -159,7 +166,14 @@ class AQSGDReceiver(Receiver):
             delta = self.codec.decode(payload[new_bytes:], (seen.numel(), *rest), torch.float32)
             m = self.memory.read(seen_ids, out.device, torch.float32)
             out.index_copy_(0, seen.to(out.device), (m + delta).to(dtype))
-        self.memory.write(ids, out)
+        if reused.numel():
+            out.index_copy_(0, reused.to(out.device), self.memory.read(ids[reused], out.device, dtype))
+            crossed = torch.cat([new, seen])  # a reused row's memory stays as stored
+            if crossed.numel():
+                self.memory.write(ids[crossed], out.index_select(0, crossed.to(out.device)))
+        else:
+            self.memory.write(ids, out)
+        self.memory.count_visit(ids)
         return out
 
     def state_dict(self):
@@ -263,7 +277,7 @@ class AQSGDSender(Sender):
 
     def encode(self, x, *, sample_ids=None, slot=0):
         mirror = self.mirror
-        ids, new, seen = mirror._split(x.shape, sample_ids)
+        ids, new, seen, _ = mirror._split(x.shape, sample_ids)  # reused rows send nothing
         parts = []
         x = x.detach()
         if new.numel():
@@ -272,6 +286,8 @@ class AQSGDSender(Sender):
             m = mirror.memory.read(ids[seen], x.device, torch.float32)
             delta = x.index_select(0, seen.to(x.device)).float() - m
             parts.append(self.codec.encode(delta.to(x.dtype)))
+        if not parts:  # every row reuses its memory: an empty message
+            parts.append(torch.empty(0, dtype=torch.uint8, device=x.device))
         payload = torch.cat(parts) if len(parts) > 1 else parts[0]
         self._replay(payload, x, sample_ids, slot)  # the ids, not the memory rows: the mirror maps them again
         return payload

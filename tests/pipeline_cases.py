@@ -107,6 +107,11 @@ COMPRESSED_PLANS = {
         forward=Compression("aqsgd", bits=4), backward=Compression("quantize", bits=8),
         memory=MemoryConfig(num_samples=NUM_SAMPLES, dtype="fp32"),
         tie_compression=Compression("quantize", bits=6, rounding="stochastic", seed=3)),
+    # Deltas on every second revisit (samples revisit from step 4: steps 4-7 send no activations).
+    "aqsgd_refresh": lambda schedule: Plan(
+        num_stages=2, micro_batches=2, schedule=schedule,
+        forward=Compression("aqsgd", bits=4, refresh_every=2), backward=Compression("quantize", bits=8),
+        memory=MemoryConfig(num_samples=NUM_SAMPLES, dtype="fp32")),
     "topk_ef": lambda schedule: Plan(
         num_stages=2, micro_batches=2, schedule=schedule,
         forward=Compression("topk", ratio=0.1, feedback="ef"), backward=Compression("quantize", bits=8)),

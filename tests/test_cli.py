@@ -105,6 +105,14 @@ def test_estimate_compressed_warm_up(tmp_path, capsys):
     assert "forward aqsgd-quantize2 (warm-up hadamard4)" in out
     kib = warm_up / 1024
     assert f"(first epoch {kib:.1f} KiB, warm-up hadamard4)" in out
+    # Deltas on every third revisit: a revisit's step sends a third of them on average.
+    lazy = Plan(num_stages=2, micro_batches=2, backward=Compression("quantize", bits=4),
+                forward=Compression("aqsgd", bits=2, first_visit=Compression("hadamard", bits=4), refresh_every=3))
+    plan_path.write_text(lazy.to_json_string())
+    assert main([*args, "--json"]) == 0
+    lazy_entry = json.loads(capsys.readouterr().out)["boundaries"][0]
+    assert lazy_entry["forward_bytes"] == -(-entry["forward_bytes"] // 3)
+    assert lazy_entry["first_epoch_forward_bytes"] == warm_up
 
 
 def test_estimate_diloco_bytes_per_sync_and_step(tmp_path, capsys):

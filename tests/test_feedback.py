@@ -156,6 +156,97 @@ def test_aqsgd_mixed_batch_of_new_and_seen_samples():
     assert receiver.memory.is_seen(torch.arange(8)).tolist() == [True, True, False, False, False, True, False, True]
 
 
+def test_aqsgd_refresh_every_sends_deltas_on_every_kth_revisit_and_reuses_the_memory_between():
+    """`refresh_every=2`: a first visit (the warm-up), a revisit that sends nothing and outputs the
+    memory as stored, a delta, nothing again. Sizes known before each payload; both memories equal."""
+    warm_up = Compression("hadamard", bits=4, group_size=64)
+    compression = Compression("aqsgd", bits=2, first_visit=warm_up, refresh_every=2)
+    sender, receiver = pair(compression, MemoryConfig(store="host", dtype="fp32", num_samples=4))
+    inner = build_codec(Compression("quantize", bits=2))
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 64)
+    ids = torch.tensor([1, 3])
+    sizes, outputs = [], []
+    for visit in range(5):
+        x_now = x + 0.05 * visit
+        size = receiver.payload_nbytes(x_now.shape, x_now.dtype, ids)
+        before = receiver.memory.read(ids, "cpu", torch.float32).clone() if visit else None
+        payload = sender.encode(x_now, sample_ids=ids)
+        assert payload.numel() == size
+        out = receiver.decode(payload, x_now.shape, x_now.dtype, sample_ids=ids)
+        assert torch.equal(out, sender.last_reconstruction)
+        assert torch.equal(sender.mirror.memory.values, receiver.memory.values)
+        if visit in (1, 3):  # reused: the memory as stored, unchanged
+            assert torch.equal(out, before) and torch.equal(receiver.memory.read(ids, "cpu", torch.float32), before)
+        sizes.append(size)
+        outputs.append(out)
+    shape = (2, 6, 64)
+    assert sizes == [build_codec(warm_up).payload_nbytes(shape, torch.float32), 0,
+                     inner.payload_nbytes(shape, torch.float32), 0, inner.payload_nbytes(shape, torch.float32)]
+    assert receiver.memory.visit_counts(ids).tolist() == [5, 5]
+    # The delta corrects the memory toward the activation it was sent for.
+    assert float((outputs[2] - (x + 0.1)).norm()) < float((outputs[1] - (x + 0.1)).norm())
+
+    # A batch of a new sample (2), a revisit that reuses (0: its first) and one that refreshes (1:
+    # its second): the new one's warm-up and 1's delta cross, in that order; 0 is its memory.
+    sender, receiver = pair(compression, MemoryConfig(store="host", dtype="fp32", num_samples=4))
+    for visit in (torch.tensor([0, 1]), torch.tensor([1]), torch.tensor([2, 0, 1])):
+        x_now = torch.randn(len(visit), 6, 64)
+        stored = receiver.memory.read(torch.tensor([0]), "cpu", torch.float32).clone() if len(visit) == 3 else None
+        payload = sender.encode(x_now, sample_ids=visit)
+        assert payload.numel() == receiver.payload_nbytes(x_now.shape, x_now.dtype, visit)
+        out = receiver.decode(payload, x_now.shape, x_now.dtype, sample_ids=visit)
+    row = (1, 6, 64)
+    assert payload.numel() == build_codec(warm_up).payload_nbytes(row, torch.float32) + inner.payload_nbytes(row, torch.float32)
+    assert torch.equal(out[1:2], stored) and torch.equal(out, sender.last_reconstruction)
+    assert torch.equal(sender.mirror.memory.values, receiver.memory.values)
+
+
+def test_aqsgd_visit_counts_survive_a_state_dict_round_trip_and_old_checkpoints_load():
+    compression = Compression("aqsgd", bits=4, refresh_every=2)
+    memory = MemoryConfig(store="host", dtype="fp32", num_samples=4)
+    sender, receiver = pair(compression, memory)
+    ids = torch.tensor([0, 2])
+    for _ in range(2):
+        receiver.decode(sender.encode(torch.randn(2, 3, 8), sample_ids=ids), (2, 3, 8), torch.float32, sample_ids=ids)
+    state = receiver.state_dict()
+    assert state["memory.visits"].tolist() == [2, 0, 2, 0]
+    again = build_receiver(compression, memory, "b")
+    again.load_state_dict(state)
+    # The third visit is a delta on both (its second revisit); an old checkpoint (no visit
+    # counts) reads as one visit per seen sample, so its next revisit reuses the memory.
+    assert again.payload_nbytes((2, 3, 8), torch.float32, ids) == receiver.payload_nbytes((2, 3, 8), torch.float32, ids) > 0
+    old = build_receiver(compression, memory, "b")
+    old.load_state_dict({k: v for k, v in state.items() if k != "memory.visits"})
+    assert old.memory.visit_counts(torch.arange(4)).tolist() == [1, 0, 1, 0]
+    assert old.payload_nbytes((2, 3, 8), torch.float32, ids) == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(method="quantize", bits=4, refresh_every=2),
+     "Compression.refresh_every=2 applies to method='aqsgd' only (its per-sample memory is what a revisit reuses), "
+     "not to method='quantize'. Allowed value here: 1."),
+    (dict(method="aqsgd", bits=4, refresh_every=0),
+     "Compression.refresh_every=0 must be a positive integer (1: a delta on every revisit)."),
+    (dict(method="aqsgd", bits=4, refresh_every=1.5),
+     "Compression.refresh_every=1.5 must be a positive integer (1: a delta on every revisit)."),
+])
+def test_refresh_every_is_checked(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Compression(**kwargs)
+
+
+def test_refresh_every_shows_in_the_label_and_survives_the_plans_json(tmp_path):
+    compression = Compression("aqsgd", inner="hadamard_vq", levels=32, refresh_every=2,
+                              first_visit=Compression("hadamard_codebook", levels=3, outliers=0))
+    assert compression.describe() == "aqsgd-hadamard_vq32 (deltas every 2 revisits) (warm-up hadamard_codebook3)"
+    plan = Plan(num_stages=2, forward=compression, memory=MemoryConfig(num_samples=4))
+    plan.save_pretrained(tmp_path)
+    assert Plan.from_pretrained(tmp_path).forward == compression
+    assert Plan.from_yaml_string(plan.to_yaml_string()).forward.refresh_every == 2
+    assert Compression("aqsgd", bits=4).refresh_every == 1
+
+
 WARM_UPS = {
     "hadamard4": Compression("hadamard", bits=4, group_size=64),
     "quantize8": Compression("quantize", bits=8),

@@ -22,7 +22,7 @@ from pipeline_cases import (
 )
 from safetensors.torch import load_file
 
-from hf_actcomp import simulate
+from hf_actcomp import Compression, simulate
 from hf_actcomp.debug import debug_model
 from hf_actcomp.feedback import build_codec
 from hf_actcomp.pipeline import stage_actions
@@ -139,12 +139,14 @@ def test_accumulated_steps_and_adamw_match_unsplit_model_with_tied_embeddings(tm
                 torch.testing.assert_close(value, params[name].detach(), **close, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("plan_name, schedule", [("aqsgd", "1f1b"), ("topk_ef", "zbh1"), ("aqsgd", "zbh1")])
+@pytest.mark.parametrize("plan_name, schedule", [("aqsgd", "1f1b"), ("topk_ef", "zbh1"), ("aqsgd", "zbh1"),
+                                                ("aqsgd_refresh", "1f1b")])
 def test_compressed_run_matches_simulation(tmp_path, plan_name, schedule):
     """Same plan, seed and batches: the 2-process run gives simulate()'s losses; sender and
     receiver AQ-SGD memories stay identical after every step (zbh1 too: its input gradients
-    run in 1F1B's micro-batch order, so error feedback sees the same sequence)."""
-    steps = 6
+    run in 1F1B's micro-batch order, so error feedback sees the same sequence). `aqsgd_refresh`:
+    revisits that reuse the memory send no message at all, and the ranks stay in step."""
+    steps = 10 if plan_name == "aqsgd_refresh" else 6
     run_workers("pipeline_worker.py", 2, ["compressed", str(tmp_path), plan_name, str(steps), schedule])
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result == json.loads((tmp_path / "rank1.json").read_text()) | {"stats": result["stats"]}
@@ -158,10 +160,15 @@ def test_compressed_run_matches_simulation(tmp_path, plan_name, schedule):
     with torch.no_grad():
         assert result["eval_loss"] == pytest.approx(sim(**padded_batch(model.config.vocab_size)).loss.item(), rel=1e-4)
 
-    if plan_name == "aqsgd":
+    if plan_name.startswith("aqsgd"):
         for sums in result["checksums"]:
             assert sums["boundary0.sender"] == sums["boundary0.receiver"] != 0.0
-            assert sums["tie.copy"] == sums["tie.mirror"] != 0.0  # what the first stage holds, on both ends
+            if plan_name == "aqsgd":
+                assert sums["tie.copy"] == sums["tie.mirror"] != 0.0  # what the first stage holds, on both ends
+    if plan_name == "aqsgd_refresh":  # 4 steps of first visits (fp32), 4 reusing, 2 of 4-bit deltas
+        hidden, rows = model.config.hidden_size, (2, 16, model.config.hidden_size)
+        deltas = 2 * 2 * build_codec(Compression("quantize", bits=4)).payload_nbytes(rows, torch.float32)
+        assert result["stats"]["channels"]["boundary0.forward"]["bytes_sent"] == 4 * 4 * 16 * hidden * 4 + deltas
     stats, sim_stats = result["stats"], sim.stats()
     for channel in ("boundary0.forward", "boundary0.backward"):
         assert stats["channels"][channel]["bytes_sent"] == sim_stats["channels"][channel]["bytes_sent"]

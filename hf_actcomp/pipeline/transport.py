@@ -90,17 +90,21 @@ class Transport:
     def send(self, payload: torch.Tensor, dst: int, *, tag: int = 0, with_next_recv: bool = False) -> None:
         """Queue `payload` for `dst`. With `with_next_recv` (and not `early`), it is posted
         together with this process's next receive (the schedule's next action receives);
-        otherwise at once."""
+        otherwise at once. An empty payload does not travel: its receiver knows it is empty
+        (AQ-SGD's revisits that reuse the memory send nothing)."""
+        if payload.numel() == 0:
+            return
         self.outbox.append((payload.to("cpu") if self.via_host else payload.contiguous(), dst, tag))
         if self.early or not with_next_recv:
             self._post([])
 
     def post_recv(self, nbytes: int, src: int, device: torch.device, what: str, *, tag: int = 0) -> PostedRecv:
         """A receive of `nbytes` from `src`, posted now when `early` (else when taken); take its
-        payload with `wait_recv`. Receives of one tag from one peer match its sends in order."""
+        payload with `wait_recv`. Receives of one tag from one peer match its sends in order; a
+        receive of 0 bytes is complete at once (`send` sends no empty payload)."""
         where = torch.device("cpu") if self.via_host else device
         posted = PostedRecv(torch.empty(nbytes, dtype=torch.uint8, device=where), src, tag, what, device)
-        if self.early:
+        if self.early and nbytes:
             try:
                 posted.work = self._post([self._irecv(posted)])[-1]
             except RuntimeError as err:
@@ -111,6 +115,8 @@ class Transport:
     def wait_recv(self, posted: PostedRecv) -> torch.Tensor:
         """Block until `posted` has arrived (posting it first, with the queued sends, if it was
         not posted early); its payload, or `PeerTimeoutError` after `timeout` seconds."""
+        if posted.buffer.numel() == 0:
+            return posted.buffer.to(posted.device)
         start = time.perf_counter()
         try:
             if posted.work is None:

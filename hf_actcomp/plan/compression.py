@@ -78,6 +78,12 @@ class Compression:
             bits=4)`, `Plan.auto`'s: it holds on a real LLM's activations): its decoded value
             becomes the sample's memory entry, which later deltas correct. A dict (from JSON or
             YAML) is read as a `Compression`.
+        refresh_every: AQ-SGD only: a seen sample's delta crosses on every `refresh_every`-th revisit
+            (1, default: every revisit, the paper's); on the others nothing crosses and the receiver
+            reuses its memory (stale by what the sender's stage moved since: 0.5-2% of an
+            activation an epoch on SmolLM2). Both ends count visits, so every payload's size stays
+            known before it arrives. 2 with three epochs: a first visit, a reused one, a delta;
+            the bytes of a rich first visit are paid for by the revisits (docs/real_model.md).
         inference: what this direction sends at inference (evaluation, `compressed_inference`,
             split `generate`), where AQ-SGD has no memory: `auto` (default: the training codec
             where it was measured to hold within 1% on a real LLM, else `hadamard_outliers` at 6
@@ -111,6 +117,7 @@ class Compression:
     outliers: int | None = None
     levels: int | None = None
     sink_and_mean: bool | None = None
+    refresh_every: int = 1
 
     def __post_init__(self) -> None:
         owner = "Compression"
@@ -127,6 +134,13 @@ class Compression:
         if not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"Compression.group_size={self.group_size!r} must be a positive integer.")
         self._check_codec_fields()
+        if not isinstance(self.refresh_every, int) or isinstance(self.refresh_every, bool) or self.refresh_every < 1:
+            raise ValueError(f"Compression.refresh_every={self.refresh_every!r} must be a positive integer (1: a delta on "
+                             "every revisit).")
+        if self.refresh_every != 1 and self.method != AQSGD:
+            raise ValueError(f"Compression.refresh_every={self.refresh_every} applies to method='aqsgd' only (its "
+                             f"per-sample memory is what a revisit reuses), not to method={self.method!r}. Allowed "
+                             "value here: 1.")
         if self.method == AQSGD and self.feedback != "none":
             raise ValueError(
                 f"Compression.feedback={self.feedback!r} cannot be combined with method='aqsgd' "
@@ -165,10 +179,13 @@ class Compression:
 
     def describe(self) -> str:
         """Short label such as `aqsgd-quantize4`, `topk0.1+ef` or, with a compressed warm-up,
-        `aqsgd-quantize2 (warm-up hadamard4)`, for tables and logs (the codec's `label`)."""
+        `aqsgd-quantize2 (warm-up hadamard4)` (`... (deltas every 2 revisits) ...` with
+        `refresh_every=2`), for tables and logs (the codec's `label`)."""
         label = CODECS[self.codec_name].label(self.codec_params())
         if self.method == AQSGD:
             label = f"aqsgd-{label}"
+            if self.refresh_every != 1:
+                label += f" (deltas every {self.refresh_every} revisits)"
             if isinstance(self.first_visit, Compression):
                 label += f" (warm-up {self.first_visit.describe()})"
         if self.feedback != "none":

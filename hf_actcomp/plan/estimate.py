@@ -61,6 +61,8 @@ def estimate(config: PretrainedConfig, plan: Plan, batch_size: int, seq_len: int
     for b in range(plan.num_stages - 1):
         compression = plan.forward_at(b)
         forward = step_bytes(build_codec(compression))  # AQ-SGD: its inner codec on deltas (revisits)
+        if compression.method == "aqsgd":  # deltas on one revisit in `refresh_every`: the revisits' mean
+            forward = -(-forward // compression.refresh_every)
         backward = step_bytes(build_codec(plan.backward_at(b)))
         entry = {"boundary": b, "forward": compression.describe(), "backward": plan.backward_at(b).describe(),
                  "forward_bytes": forward, "backward_bytes": backward, "uncompressed_bytes": raw,

@@ -64,7 +64,8 @@ def resolve_inference(compression: Compression) -> Compression:
 def _stateless_form(compression: Compression) -> Compression:
     """The training codec without AQ-SGD's memory or error feedback."""
     method = compression.inner if compression.method == AQSGD else compression.method
-    return replace(compression, method=method, feedback="none", first_visit="full", inference="direct")
+    return replace(compression, method=method, feedback="none", first_visit="full", inference="direct",
+                   refresh_every=1)
 
 
 def _warn_if_measured_to_break(compression: Compression, what: str) -> None:
