@@ -304,6 +304,10 @@ class MemoryStore:
                 f"AQ-SGD memory {self.name}: checkpoint has {seen.numel()} samples, this plan has "
                 f"{self.num_samples}."
             )
+        visits = state.get("visits")
+        if visits is not None and visits.shape != seen.shape:
+            raise ValueError(f"AQ-SGD memory {self.name}: checkpoint has {visits.numel()} visit counts for "
+                             f"{seen.numel()} samples.")
         values = state.get("values")
         if values is not None:
             saved = _DTYPE_NAMES.get(values.dtype, str(values.dtype))
@@ -322,7 +326,7 @@ class MemoryStore:
         self.seen.copy_(seen)
         # A checkpoint from before visits were counted: one visit per seen sample (only the
         # schedule of `refresh_every` > 1 reads the count).
-        self.visits.copy_(state["visits"] if "visits" in state else seen.to(torch.int64))
+        self.visits.copy_(visits if visits is not None else seen.to(torch.int64))
         if values is None:
             return
         if self.values is None and self.config.store != "device":

@@ -220,6 +220,10 @@ def test_aqsgd_visit_counts_survive_a_state_dict_round_trip_and_old_checkpoints_
     old.load_state_dict({k: v for k, v in state.items() if k != "memory.visits"})
     assert old.memory.visit_counts(torch.arange(4)).tolist() == [1, 0, 1, 0]
     assert old.payload_nbytes((2, 3, 8), torch.float32, ids) == 0
+    bad = build_receiver(compression, memory, "b")
+    with pytest.raises(ValueError, match="b.receiver: checkpoint has 3 visit counts for 4 samples"):
+        bad.load_state_dict({**state, "memory.visits": torch.zeros(3, dtype=torch.int64)})
+    assert not bad.memory.seen.any() and bad.memory.values is None  # nothing touched
 
 
 @pytest.mark.parametrize("kwargs, message", [
