@@ -215,3 +215,20 @@ def test_hadamard_vq_across_several_boundaries_warns():
         Plan(num_stages=4, backward=vq)
     with pytest.warns(UserWarning, match="hadamard_vq at 3 stages"):
         Plan(num_stages=3, boundaries=[None, {"forward": vq}])
+
+
+def test_reused_revisits_across_several_boundaries_warn():
+    """`refresh_every` > 1 held on one boundary of SmolLM2 and learned nothing in its reused
+    epoch across three (docs/real_model.md): a plan with it on more than one boundary warns."""
+    import warnings
+
+    lazy = Compression("aqsgd", bits=4, refresh_every=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Plan(num_stages=2, forward=lazy)
+        Plan(num_stages=4, forward=Compression("aqsgd", bits=4), boundaries=[None, {"forward": lazy}, None])
+    with pytest.warns(UserWarning, match=r"AQ-SGD refresh_every > 1 on 3 boundaries: on SmolLM2-135M .* learn nothing "
+                                         r"\(\+2.5% eval loss"):
+        Plan(num_stages=4, forward=lazy)
+    with pytest.warns(UserWarning, match="refresh_every > 1 on 2 boundaries"):
+        Plan(num_stages=3, boundaries=[{"forward": lazy}, {"forward": lazy}])
