@@ -90,6 +90,7 @@ bench-real-model: setup  # SmolLM2-135M: boundary statistics and codec costs, co
 	$(PY) benchmarks/real_model_sft.py --stages 2 --seeds 3 4 5 6 7 --merge --settings "hadamard_outliers fw3/bw6"
 	$(PY) benchmarks/real_model_sft.py --seeds 0 1 2 --merge --settings "aqsgd-vq64 fw/vq64 bw"
 	$(PY) benchmarks/real_model_sft.py --seeds 0 1 2 3 4 5 6 7 --merge --settings "hadamard_outliers fw6/bw8"
+	$(PY) benchmarks/real_model_sft.py --stages 2 --seeds 3 4 5 6 7 --merge --settings "aqsgd-vq64 fw/vq64 bw"
 
 REAL_TTQ = --model smollm2 --rate 5 --train_samples 48 --eval_samples 8 --stdlib_files 40 --batch_size 8 \
 	--micro_batches 4 --lr 3e-5 --epochs 3 --max_epochs 4 --eval_every 3 --repeats 1 --peer_steps 1 \
