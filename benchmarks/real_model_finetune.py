@@ -67,6 +67,17 @@ AQSGD_VQ32_REFRESH2 = Compression("aqsgd", inner="hadamard_vq", levels=32, refre
 AQSGD_VQ64_REFRESH2 = Compression("aqsgd", inner="hadamard_vq", levels=64, refresh_every=2, first_visit=TERNARY)
 AQSGD_TERNARY_REFRESH3 = Compression("aqsgd", inner="hadamard_codebook", levels=3, outliers=0, refresh_every=3,
                                      first_visit=TERNARY)
+# Where the 4-stage cost lives: `aqsgd-vq64` forward at one boundary, the others exact (4 stages).
+# And the bytes spent by boundary: the boundary that costs most gets a ternary first epoch and
+# 16-word deltas without the sink apart (62.2x), the others `aqsgd-vq64` (33.6x): 32.8x forward over
+# three epochs and three boundaries.
+VQ16_NOSINK_AFTER_TERNARY = Compression("aqsgd", inner="hadamard_vq", levels=16, sink_and_mean=False,
+                                        first_visit=TERNARY)
+FORWARD_AT = {
+    **{f"aqsgd-vq64 at boundary {b} only fw/vq64 bw": {b: AQSGD_VQ64} for b in range(3)},
+    **{f"aqsgd-vq16-nosink (first epoch codebook3) at boundary {b}, aqsgd-vq64 elsewhere fw/vq64 bw":
+       {c: VQ16_NOSINK_AFTER_TERNARY if c == b else AQSGD_VQ64 for c in range(3)} for b in range(3)},
+}
 TIES = {"aqsgd fw4/bw8 warm-up h_o4 + tie q8": Compression("quantize", bits=8),
         "aqsgd fw4/bw8 warm-up h_o4 + tie q4": Compression("quantize", bits=4),
         "aqsgd-h_o fw2/bw4 warm-up h_o4 + tie q4": Compression("quantize", bits=4),
@@ -82,7 +93,8 @@ STRETCH = ("aqsgd-codebook3 fw/codebook3 bw", "topk_quantize 8% 2-bit fw/bw", "a
            "aqsgd-vq128-nosink (first epoch vq256) fw/vq64 bw", "aqsgd-vq64-nosink (first epoch vq256) fw/vq64 bw",
            "aqsgd-vq64 (first epoch vq256) fw/vq64 bw", "aqsgd-vq32o1 (first epoch vq64o1) fw/vq64 bw",
            "aqsgd-vq64o1 fw/vq64 bw", "aqsgd-vq32 refresh 2 (first epoch codebook3) fw/vq64 bw",
-           "aqsgd-vq64 refresh 2 (first epoch codebook3) fw/vq64 bw", "aqsgd refresh 3 (first epoch codebook3) fw/vq64 bw")
+           "aqsgd-vq64 refresh 2 (first epoch codebook3) fw/vq64 bw", "aqsgd refresh 3 (first epoch codebook3) fw/vq64 bw",
+           *FORWARD_AT)
 
 
 def settings() -> dict[str, tuple[Compression, Compression]]:
@@ -151,6 +163,8 @@ def boundary_settings() -> dict[str, tuple[Compression, Compression]]:
         "aqsgd-vq32 refresh 2 (first epoch codebook3) fw/vq64 bw": (AQSGD_VQ32_REFRESH2, VQ64),
         "aqsgd-vq64 refresh 2 (first epoch codebook3) fw/vq64 bw": (AQSGD_VQ64_REFRESH2, VQ64),
         "aqsgd refresh 3 (first epoch codebook3) fw/vq64 bw": (AQSGD_TERNARY_REFRESH3, VQ64),
+        # Per boundary (4 stages): the forward of FORWARD_AT[name] at its boundaries, exact elsewhere.
+        **{name: (Compression(), VQ64) for name in FORWARD_AT},
         # AQ-SGD whose deltas go through hadamard_outliers (quantize's groups break on massive values).
         "aqsgd-h_o fw4/bw8 warm-up h_o4": (_aqsgd_outliers(4), q(8)),
         "aqsgd-h_o fw2/bw4 warm-up h_o4": (_aqsgd_outliers(2), q(4)),
@@ -162,14 +176,20 @@ def _aqsgd_outliers(bits: int) -> Compression:
 
 
 def train_simulated(model, forward: Compression, backward: Compression, stages: int, seed: int, train, args,
-                    evaluate, tie: Compression | None = None) -> dict:
+                    evaluate, tie: Compression | None = None, forward_at: dict[int, Compression] | None = None) -> dict:
     """`model` fine-tuned through the stages of a plan (`simulate`, GPipe, AQ-SGD memory for the
-    training rows, `tie` its `tie_compression`), AdamW, the seed's batch order: its plan, training
-    curve, `evaluate()` after each epoch (plain inference), seconds, the boundary bytes sent /
-    uncompressed, and the compressed tie's bytes sent (0 when exact: `simulate` sends none then)."""
+    training rows, `tie` its `tie_compression`, `forward_at` per-boundary forwards), AdamW, the
+    seed's batch order: its plan, training curve, `evaluate()` after each epoch (plain inference),
+    seconds, the boundary bytes sent / uncompressed, and the compressed tie's bytes sent (0 when
+    exact: `simulate` sends none then)."""
+    boundaries = None
+    if forward_at:
+        if max(forward_at) >= stages - 1:
+            raise SystemExit(f"forward overrides at boundaries {sorted(forward_at)} need more than {stages} stages")
+        boundaries = [{"forward": forward_at[b]} if b in forward_at else None for b in range(stages - 1)]
     plan = Plan(num_stages=stages, micro_batches=args.micro_batches, schedule="gpipe", forward=forward,
                 backward=backward, memory=MemoryConfig(num_samples=len(train), store="host", dtype="fp16"),
-                tie_compression=tie)
+                tie_compression=tie, boundaries=boundaries)
     sim = hf_actcomp.simulate(model, plan)
     optimizer = torch.optim.AdamW(sim.parameters(), lr=args.lr)
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
@@ -197,11 +217,13 @@ def finetune(name: str, stages: int, seed: int, data, args) -> dict:
     # The epochs' eval losses with plain inference: the trained weights, no boundary codec.
     tie = TIES.get(name)
     run = train_simulated(model, forward, backward, stages, seed, train, args, lambda: eval_loss(model, evaluation),
-                          tie)
+                          tie, FORWARD_AT.get(name))
     plan, curve, epoch_eval, seconds, sent, raw = (run[k] for k in ("plan", "curve", "epochs", "seconds", "sent", "raw"))
     with hf_actcomp.compressed_inference(model, plan) as inf:
         inference_form = eval_loss(inf, evaluation)
-    row = {"setting": name, "stages": stages, "seed": seed, "forward": forward.describe(),
+    forward_label = " / ".join(plan.forward_at(b).describe() for b in range(stages - 1)) if plan.per_boundary \
+        else forward.describe()
+    row = {"setting": name, "stages": stages, "seed": seed, "forward": forward_label,
            "backward": backward.describe(), "tie": describe_tie(tie),
            "eval_loss": epoch_eval[-1], "epoch_eval_loss": epoch_eval,
            "eval_loss_inference_form": inference_form,
