@@ -58,8 +58,8 @@ AQSGD_VQ64_FIRST256 = Compression("aqsgd", inner="hadamard_vq", levels=64, first
 VQ64_O1 = Compression("hadamard_vq", levels=64, outliers=1)
 AQSGD_VQ32_O1 = Compression("aqsgd", inner="hadamard_vq", levels=32, outliers=1, first_visit=VQ64_O1)
 AQSGD_VQ64_O1 = Compression("aqsgd", inner="hadamard_vq", levels=64, outliers=1, first_visit=VQ64_O1)  # 31.7x: a diagnostic
-# A first epoch that keeps the 4-stage forward working (the ternary code, 15.7x: under one bit a
-# value, the training loss at 4 stages runs 2-4 times uncompressed's), paid for by revisits that
+# A first epoch that keeps the 4-stage forward working (the ternary code, 15.7x; under one bit a
+# value the first epoch's training loss at 4 stages runs 2-3 times uncompressed's), paid for by revisits that
 # send nothing (`refresh_every=2`: the second epoch reuses the memory, the third sends deltas):
 # 33.5x forward over three epochs with 32-word deltas, 32.1x with 64; refresh_every=3 sends no delta
 # in three epochs (47.1x: what the stale memory alone costs, a diagnostic).
