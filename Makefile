@@ -81,6 +81,9 @@ bench-real-model: setup  # SmolLM2-135M: boundary statistics and codec costs, co
 		"aqsgd-vq64 at boundary 1 only fw/vq64 bw" "aqsgd-vq64 at boundary 2 only fw/vq64 bw"
 	$(FINETUNE_32X) --stages 4 --merge \
 		--settings "aqsgd-vq16-nosink (first epoch codebook3) at boundary 2, aqsgd-vq64 elsewhere fw/vq64 bw"
+	$(FINETUNE_32X) --stages 4 --seeds 0 --merge --settings "aqsgd-lowrank4 drift (first epoch codebook3) fw/vq64 bw" \
+		"aqsgd-lowrank4 (first epoch codebook3) fw/vq64 bw"
+	$(call FINETUNE_32X_CHOSEN,"aqsgd-lowrank4 drift (first epoch codebook3) fw/vq64 bw")
 	$(PY) benchmarks/real_model_sft.py
 	$(PY) benchmarks/real_model_sft.py --stages 2 --seeds 3 4 5 6 7 --merge --settings none \
 		"aqsgd-codebook3 fw/codebook9 bw" "aqsgd-h_o fw2/bw4 warm-up h_o4" "aqsgd fw4/bw8 warm-up h_o4"

@@ -13,7 +13,12 @@ is exact (the weights' drift); the table gives its median over samples of:
 - AM / GM of the other tokens' delta power: the most that spending a code's bits unevenly across
   tokens (reverse water-filling) could divide the distortion by at high rate;
 - the first-visit error of a codec (|x - Q(x)|^2 at epoch 0) over |d|^2 (epoch 1): above 1, an
-  epoch-1 delta is mostly the first visit's error, not the drift.
+  epoch-1 delta is mostly the first visit's error, not the drift;
+- per pair of samples (a 2 x 128-token micro-batch, samples 2i and 2i + 1): the share of |d|^2 that
+  its best rank-4 approximation keeps (`lowrank` 4, what `deltas="drift"` sends), and, epoch 1, the
+  drift that AQ-SGD's own rank-4 delta after a ternary first visit delivers, 1 - |d - L|^2 / |d|^2
+  with L = lowrank4(x(1) - ternary(x(0))) (the receiver's change; below 0: it adds more error than
+  drift).
 
     python benchmarks/real_model_delta_statistics.py           # ~3 min on this CPU
 """
@@ -41,6 +46,8 @@ from hf_actcomp.feedback import build_codec  # noqa: E402
 from hf_actcomp.models.registry import get_adapter  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+LOW_RANK = Compression("lowrank", rank=4)
+TERNARY = "hadamard_codebook 3"
 FIRST_VISIT = {"hadamard_vq 64": Compression("hadamard_vq", levels=64),
                "hadamard_vq 64, 1 outlier": Compression("hadamard_vq", levels=64, outliers=1),
                "hadamard_codebook 3": Compression("hadamard_codebook", levels=3, outliers=0)}
@@ -91,6 +98,18 @@ def delta_statistics(x_before: torch.Tensor, x_after: torch.Tensor, codecs: dict
     return out
 
 
+def low_rank_statistics(x_before: torch.Tensor, x_after: torch.Tensor, codecs: dict) -> dict[str, float]:
+    """The module docstring's rank-4 statistics of a pair of samples' (2, tokens, hidden) states."""
+    low_rank = build_codec(LOW_RANK)
+    code = lambda codec, x: codec.decode(codec.encode(x), x.shape, x.dtype)  # noqa: E731
+    d = x_after - x_before
+    out = {"rank4_share": float(1 - (d - code(low_rank, d)).square().sum() / d.square().sum())}
+    if TERNARY in codecs:
+        delta = x_after - code(codecs[TERNARY], x_before)
+        out["rank4_memory_delta_delivers"] = float(1 - (d - code(low_rank, delta)).square().sum() / d.square().sum())
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p, seq_len=128, eval_blocks=8, epochs=3, batch_size=4, lr=3e-5, seed=0)
@@ -113,8 +132,11 @@ def main(argv=None) -> None:
         for k in boundaries:
             per_sample = [delta_statistics(states[(epoch - 1, k, s)], states[(epoch, k, s)], codecs if epoch == 1 else {})
                           for s in range(len(train))]
+            pairs = [low_rank_statistics(*(torch.stack([states[(e, k, s)] for s in (i, i + 1)]) for e in (epoch - 1, epoch)),
+                                         codecs if epoch == 1 else {}) for i in range(0, len(train) - 1, 2)]
             row = {"epoch": epoch, "block": k, "stages": [s for s, cuts in split.items() if k in cuts],
-                   **{key: statistics.median(r[key] for r in per_sample) for key in per_sample[0]}}
+                   **{key: statistics.median(r[key] for r in per_sample) for key in per_sample[0]},
+                   **{key: statistics.median(r[key] for r in pairs) for key in pairs[0]}}
             rows.append(row)
             print(row, flush=True)
     seconds = time.time() - started
@@ -127,16 +149,20 @@ def main(argv=None) -> None:
              f"AdamW lr {args.lr:g}, seed {args.seed}, {args.epochs} epochs; the hidden state entering each boundary "
              f"block of the default {' and '.join(map(str, args.stages))}-stage splits, kept for every sample at every "
              f"epoch. d = x(epoch) - x(epoch - 1) per sample: the drift a delta carries when AQ-SGD's memory is exact. "
-             f"Median over the {len(train)} samples; {seconds / 60:.1f} min on this CPU, deterministic: one run.", "",
+             f"Median over the {len(train)} samples (the rank-4 columns: over the {len(train) // 2} pairs of samples "
+             f"2i, 2i + 1, each a micro-batch's 2 x {args.seq_len} tokens); {seconds / 60:.1f} min on this CPU, deterministic: one run.", "",
              "| epoch | block input | boundary of | \\|d\\| / \\|x\\| | sink's share of \\|d\\|² | channel mean's share "
              "(other tokens) | AM / GM of token delta power | " + " | ".join(
-                 f"{label} first-visit error / drift" for label in labels) + " |",
-             "|---:|---:|---|---:|---:|---:|---:|" + "---:|" * len(labels)]
+                 f"{label} first-visit error / drift" for label in labels) + " | rank 4's share of \\|d\\|² "
+             "(2 samples) | drift delivered by AQ-SGD's rank-4 delta after a ternary first visit |",
+             "|---:|---:|---|---:|---:|---:|---:|" + "---:|" * (len(labels) + 2)]
     for r in rows:
         lines.append(f"| {r['epoch']} | {r['block']} | {', '.join(f'{s} stages' for s in r['stages'])} | "
                      f"{r['relative_delta']:.4f} | {r['sink_share']:.3f} | {r['mean_share']:.3f} | {r['am_gm']:.2f} | "
                      + " | ".join(f"{r[f'first_visit_over_drift {label}']:.0f}" if f"first_visit_over_drift {label}" in r
-                                  else "-" for label in labels) + " |")
+                                  else "-" for label in labels)
+                     + f" | {r['rank4_share']:.3f} | "
+                     + (f"{r['rank4_memory_delta_delivers']:.3f}" if "rank4_memory_delta_delivers" in r else "-") + " |")
     write_markdown(RESULTS, args.name, lines)
 
 

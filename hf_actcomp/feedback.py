@@ -267,13 +267,21 @@ class AQSGDSender(Sender):
     `first_codec` encodes first visits; it is the sender's own object, apart from the mirror's
     (which decodes), as `codec` is: a codec whose decode draws from its stream (random-k) would
     otherwise advance the shared counter twice per payload and fall out of step with the receiver.
+
+    `drift` (`Compression.deltas="drift"`): the sender's exact record of each sample, its first
+    visit as it was and every decoded delta added since. Deltas are taken against it instead of
+    the receiver's memory (the mirror, which stays an exact copy of the receiver's), so they carry
+    the sender stage's drift only: the receiver's memory stays off the exact record by the first
+    visit's coding error, constant from then on.
     """
 
     mirror: AQSGDReceiver
 
-    def __init__(self, codec: Codec, mirror: AQSGDReceiver, first_codec: Codec) -> None:
+    def __init__(self, codec: Codec, mirror: AQSGDReceiver, first_codec: Codec,
+                 drift: MemoryStore | None = None) -> None:
         super().__init__(codec, mirror)
         self.first_codec = first_codec
+        self.drift = drift
 
     def encode(self, x, *, sample_ids=None, slot=0):
         mirror = self.mirror
@@ -284,22 +292,33 @@ class AQSGDSender(Sender):
             parts.append(self.first_codec.encode(x.index_select(0, new.to(x.device))))
         if seen.numel():
             m = mirror.memory.read(ids[seen], x.device, torch.float32)
-            delta = x.index_select(0, seen.to(x.device)).float() - m
+            base = m if self.drift is None else self.drift.read(ids[seen], x.device, torch.float32)
+            delta = x.index_select(0, seen.to(x.device)).float() - base
             parts.append(self.codec.encode(delta.to(x.dtype)))
         if not parts:  # every row reuses its memory: an empty message
             parts.append(torch.empty(0, dtype=torch.uint8, device=x.device))
         payload = torch.cat(parts) if len(parts) > 1 else parts[0]
         self._replay(payload, x, sample_ids, slot)  # the ids, not the memory rows: the mirror maps them again
+        if self.drift is not None:
+            if new.numel():  # the first visit as it was, not as it was coded
+                self.drift.write(ids[new], x.index_select(0, new.to(x.device)))
+            if seen.numel():  # plus the delta the receiver decoded
+                decoded = self.last_reconstruction.index_select(0, seen.to(x.device)).float() - m
+                self.drift.write(ids[seen], base + decoded)
         return payload
 
     def state_dict(self):
         state = super().state_dict()
         state.update(_codec_state("first_codec", self.first_codec))
+        if self.drift is not None:
+            state.update(prefixed(self.drift.state_dict(), "drift"))
         return state
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
         _load_codec_state("first_codec", self.first_codec, state)
+        if self.drift is not None:
+            self.drift.load_state_dict(unprefixed(state, "drift"))
 
 
 # ---------------------------------------------------------------------------------- factory
@@ -328,7 +347,9 @@ def build_sender(compression: Compression, memory: MemoryConfig | None = None, n
             raise ValueError("AQ-SGD needs a MemoryConfig.")
         mirror = AQSGDReceiver(compression, memory, name=f"{name}.sender", sample_range=sample_range,
                                compiling=compiling)
-        return AQSGDSender(codec, mirror, build_first_visit_codec(compression, compiling))
+        drift = (MemoryStore(mirror.memory.num_samples, memory, name=f"{name}.sender.drift")
+                 if compression.deltas == "drift" else None)
+        return AQSGDSender(codec, mirror, build_first_visit_codec(compression, compiling), drift)
     mirror = build_receiver(compression, compiling=compiling)
     if compression.feedback == "ef21":
         return EF21Sender(codec, mirror)

@@ -20,7 +20,7 @@ from hf_actcomp.debug import debug_model
 from hf_actcomp.feedback import build_codec
 from hf_actcomp.plan import CONFIG_NAME
 
-BUILT_IN = "bf16, fp16, hadamard, hadamard_codebook, hadamard_outliers, hadamard_vq, none, quantize, randk, topk, topk_quantize"
+BUILT_IN = "bf16, fp16, hadamard, hadamard_codebook, hadamard_outliers, hadamard_vq, lowrank, none, quantize, randk, topk, topk_quantize"
 
 
 @pytest.fixture

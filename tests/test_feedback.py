@@ -251,6 +251,66 @@ def test_refresh_every_shows_in_the_label_and_survives_the_plans_json(tmp_path):
     assert Compression("aqsgd", bits=4).refresh_every == 1
 
 
+
+def test_aqsgd_drift_deltas_carry_the_senders_change_and_keep_the_first_visits_error():
+    """`deltas="drift"`: the first visit crosses coded (4-bit) while the sender records it as it
+    was; each revisit sends the change against that record, so a rank-1 change arrives whole
+    (lowrank keeps it) and the receiver stays off the activation by the first visit's error, the
+    same after every revisit. The mirror stays the receiver's exact copy; the drift record
+    survives a state dict round trip, so a resumed sender sends the same bytes."""
+    warm_up = Compression("quantize", bits=4)
+    compression = Compression("aqsgd", inner="lowrank", rank=1, deltas="drift", first_visit=warm_up)
+    memory = MemoryConfig(store="host", dtype="fp32", num_samples=4)
+    sender, receiver = pair(compression, memory)
+    ids = torch.tensor([1, 3])
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 16)
+    first = receiver.decode(sender.encode(x, sample_ids=ids), x.shape, x.dtype, sample_ids=ids)
+    error = first - x
+    assert error.abs().max() > 1e-2  # a 4-bit code: the error is there to keep
+    for _ in range(3):
+        x = x + 0.1 * torch.randn(1, 1, 16) * torch.linspace(-1, 1, 6).reshape(1, 6, 1)  # a rank-1 change of the batch
+        payload = sender.encode(x, sample_ids=ids)
+        assert payload.numel() == build_codec(compression).payload_nbytes(x.shape, x.dtype) == 2 * 1 * (12 + 16)
+        out = receiver.decode(payload, x.shape, x.dtype, sample_ids=ids)
+        torch.testing.assert_close(out - x, error, atol=2e-3, rtol=0)  # bf16 factors: rounding, not drift
+        assert torch.equal(out, sender.last_reconstruction)
+        assert torch.equal(sender.mirror.memory.values, receiver.memory.values)
+    # AQ-SGD's own deltas (the default) correct the first visit's error instead.
+    default = Compression("aqsgd", inner="lowrank", rank=1, first_visit=warm_up)
+    assert default.deltas == "memory" and "drift" not in default.describe()
+    state = sender.state_dict()
+    torch.testing.assert_close(state["drift.values"][ids], x, atol=2e-3, rtol=0)  # rank-1 changes arrive whole
+    resumed = build_sender(compression, memory, "b")
+    resumed.load_state_dict(state)
+    step = x + 0.05 * torch.randn(1, 1, 16) * torch.linspace(0, 1, 6).reshape(1, 6, 1)
+    assert torch.equal(resumed.encode(step, sample_ids=ids), sender.encode(step, sample_ids=ids))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(method="quantize", bits=4, deltas="drift"),
+     "Compression.deltas='drift' applies to method='aqsgd' only (the deltas of its per-sample memory), not to "
+     "method='quantize'. Allowed value here: 'memory'."),
+    (dict(method="aqsgd", bits=4, deltas="exact"), "Compression.deltas='exact' is not valid. Allowed values: memory, drift."),
+    (dict(method="aqsgd", inner="lowrank"), "Compression(method='aqsgd') needs rank (allowed: 1..256)."),
+    (dict(method="lowrank", rank=0), "Compression.rank=0 is outside the allowed range 1..256."),
+])
+def test_deltas_and_rank_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Compression(**kwargs)
+
+
+def test_drift_deltas_show_in_the_label_survive_the_plans_json_and_leave_inference_stateless(tmp_path):
+    ternary = Compression("hadamard_codebook", levels=3, outliers=0)
+    compression = Compression("aqsgd", inner="lowrank", rank=4, deltas="drift", first_visit=ternary)
+    assert compression.describe() == "aqsgd-lowrank4 (drift deltas) (warm-up hadamard_codebook3)"
+    plan = Plan(num_stages=2, forward=compression, memory=MemoryConfig(num_samples=4))
+    plan.save_pretrained(tmp_path)
+    assert Plan.from_pretrained(tmp_path).forward == compression
+    assert Plan.from_yaml_string(plan.to_yaml_string()).forward.deltas == "drift"
+    # A rank-4 activation is not the activation: inference="auto" sends the stateless default.
+    assert resolve_inference(compression) == Compression("hadamard_outliers", bits=6)
+
 WARM_UPS = {
     "hadamard4": Compression("hadamard", bits=4, group_size=64),
     "quantize8": Compression("quantize", bits=8),

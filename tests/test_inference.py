@@ -137,7 +137,9 @@ def test_aqsgd_inference_fallbacks():
     assert torch.equal(direct, by_hand)
     with torch.no_grad():
         simulated = simulate(model, plan).eval()(input_ids=ids).logits
-    assert torch.equal(direct, simulated)
+    # Not bit for bit: without autograd some CPUs take other kernels (1.5e-7 apart on an AMD EPYC);
+    # another codec, or none, would move the logits by ~1e-2.
+    torch.testing.assert_close(simulated, direct, rtol=0, atol=1e-5)
 
 
 def test_hadamard_codebook_at_inference_falls_back_unless_chosen():

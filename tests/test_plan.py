@@ -69,7 +69,7 @@ def test_compressed_warm_up_unknown_nested_keys_warn(caplog):
     "first_visit, message",
     [
         (Compression("aqsgd", bits=4), "first_visit.method='aqsgd' is not valid: the warm-up codec must be stateless. "
-         "Allowed values: bf16, fp16, hadamard, hadamard_codebook, hadamard_outliers, hadamard_vq, none, quantize, randk, topk, topk_quantize."),
+         "Allowed values: bf16, fp16, hadamard, hadamard_codebook, hadamard_outliers, hadamard_vq, lowrank, none, quantize, randk, topk, topk_quantize."),
         (Compression("topk", ratio=0.1, feedback="ef"), "first_visit.feedback='ef' is not valid: the warm-up codec "
          "must be stateless. Allowed values: none."),
         (Compression("quantize", bits=4, feedback="ef21"), "first_visit.feedback='ef21' is not valid"),
@@ -77,7 +77,7 @@ def test_compressed_warm_up_unknown_nested_keys_warn(caplog):
         ({"method": "hadamard"}, r"Compression.first_visit: Compression\(method='hadamard'\) needs bits"),
         ({"method": "quantize", "bits": 12}, "first_visit: Compression.bits=12 is outside the allowed range"),
         (4, "first_visit=4 is not valid. Allowed values: full, direct, or a stateless Compression "
-         r"\(method: bf16, fp16, hadamard, hadamard_codebook, hadamard_outliers, hadamard_vq, none, quantize, randk, topk, topk_quantize; feedback: none\)"),
+         r"\(method: bf16, fp16, hadamard, hadamard_codebook, hadamard_outliers, hadamard_vq, lowrank, none, quantize, randk, topk, topk_quantize; feedback: none\)"),
     ],
 )
 def test_compressed_warm_up_validation(first_visit, message):
@@ -105,7 +105,7 @@ def test_missing_config_file(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(method="zip"), "method='zip' is not valid. Allowed values: aqsgd, bf16, fp16, hadamard, hadamard_codebook, hadamard_outliers, hadamard_vq, none, quantize, randk, topk, topk_quantize"),
+        (dict(method="zip"), "method='zip' is not valid. Allowed values: aqsgd, bf16, fp16, hadamard, hadamard_codebook, hadamard_outliers, hadamard_vq, lowrank, none, quantize, randk, topk, topk_quantize"),
         (dict(method="quantize"), "needs bits"),
         (dict(method="quantize", bits=9), "bits=9 is outside the allowed range 1..8"),
         (dict(method="quantize", bits=0), "bits=0 is outside the allowed range 1..8"),
@@ -118,7 +118,7 @@ def test_missing_config_file(tmp_path):
         (dict(method="topk", ratio=0.1, feedback="ef3"), "Allowed values: none, ef, ef21"),
         (dict(method="aqsgd", bits=4, feedback="ef"), "cannot be combined with method='aqsgd'"),
         (dict(method="aqsgd", bits=4, first_visit="skip"), "Allowed values: full, direct"),
-        (dict(method="aqsgd", inner="randk", ratio=0.1), "Allowed values: quantize, topk, hadamard, hadamard_outliers, hadamard_codebook, hadamard_vq"),
+        (dict(method="aqsgd", inner="randk", ratio=0.1), "Allowed values: quantize, topk, hadamard, hadamard_outliers, hadamard_codebook, hadamard_vq, lowrank"),
     ],
 )
 def test_compression_validation(kwargs, message):

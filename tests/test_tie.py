@@ -175,7 +175,7 @@ def test_state_dict_round_trip_resumes_exactly():
 
 def test_plan_validation_and_serialisation():
     with pytest.raises(ValueError, match=r"tie_compression.method='aqsgd' is not valid.*Allowed values: bf16, fp16, "
-                                         r"hadamard, hadamard_codebook, hadamard_outliers, hadamard_vq, none, quantize, randk, topk, topk_quantize"):
+                                         r"hadamard, hadamard_codebook, hadamard_outliers, hadamard_vq, lowrank, none, quantize, randk, topk, topk_quantize"):
         Plan(tie_compression=Compression("aqsgd", bits=4))
     with pytest.raises(ValueError, match=r"tie_compression.feedback='ef21'.*Allowed values: none, ef"):
         Plan(tie_compression=Compression("quantize", bits=8, feedback="ef21"))

@@ -16,6 +16,7 @@ from .hadamard import HadamardCodec
 from .hadamard_codebook import HadamardCodebookCodec
 from .hadamard_outliers import HadamardOutliersCodec
 from .hadamard_vq import HadamardVQCodec
+from .lowrank import LowRankCodec
 from .quantize import QuantizeCodec
 from .sparsify import RandKCodec, TopKCodec
 from .topk_quantize import TopKQuantizeCodec
@@ -77,7 +78,8 @@ def make_codec(name: str, **params) -> Codec:
 
 
 for _cls in (NoneCodec, Fp16Codec, Bf16Codec, QuantizeCodec, TopKCodec, RandKCodec, HadamardCodec,
-             HadamardOutliersCodec, HadamardCodebookCodec, HadamardVQCodec, TopKQuantizeCodec):
+             HadamardOutliersCodec, HadamardCodebookCodec, HadamardVQCodec, TopKQuantizeCodec,
+             LowRankCodec):
     register_codec(_cls)
 
 __all__ = [
@@ -94,6 +96,7 @@ __all__ = [
     "HadamardCodec",
     "HadamardOutliersCodec",
     "HadamardVQCodec",
+    "LowRankCodec",
     "NoneCodec",
     "Param",
     "QuantizeCodec",

@@ -19,7 +19,9 @@ from .config import check_choice, known_fields
 # (`first_visit`) or the tied-embedding rows (`Plan.tie_compression`).
 AQSGD = "aqsgd"
 FEEDBACK_KINDS = ("none", "ef", "ef21")
-AQSGD_INNER = ("quantize", "topk", "hadamard", "hadamard_outliers", "hadamard_codebook", "hadamard_vq")
+AQSGD_INNER = ("quantize", "topk", "hadamard", "hadamard_outliers", "hadamard_codebook", "hadamard_vq", "lowrank")
+# What AQ-SGD's deltas are taken against: the receiver's memory (the paper's) or the sender's exact one.
+DELTA_KINDS = ("memory", "drift")
 FIRST_VISIT = ("full", "direct")
 # What a direction sends at inference (hf_actcomp/plan/inference_form.py resolves them).
 INFERENCE_CHOICES = ("auto", "direct", "none")
@@ -69,7 +71,8 @@ class Compression:
         value_dtype: dtype of the values a sparsifier sends (`topk_quantize`: of its chunk scales).
         feedback: `none`, `ef` (error feedback) or `ef21`; not combinable with `aqsgd`.
         inner: the codec AQ-SGD applies to deltas: `quantize` (the AQ-SGD paper's), `topk`,
-            `hadamard`, `hadamard_outliers`, `hadamard_codebook` or `hadamard_vq` (`levels`). On a real LLM's activations (a massive channel on
+            `hadamard`, `hadamard_outliers`, `hadamard_codebook`, `hadamard_vq` (`levels`) or `lowrank`
+            (`rank`, with `deltas="drift"`). On a real LLM's activations (a massive channel on
             the sink and delimiter tokens) use `hadamard_outliers`: quantize's group scale follows
             that channel's delta and its levels swamp the rest (docs/real_model.md).
         first_visit: what AQ-SGD sends the first time a sample is seen: `full` (uncompressed, as
@@ -86,6 +89,13 @@ class Compression:
             Measured on SmolLM2 with a ternary first epoch and 0.75-bit deltas (32x over the run):
             -0.55% at 2 stages, +2.47% at 4, where the reused epoch learns nothing
             (docs/real_model.md): suited to one boundary.
+        deltas: AQ-SGD only: what a revisit's delta is taken against. `memory` (default, the
+            paper's): the receiver's memory, so each delta also corrects what the earlier visits'
+            codes got wrong. `drift`: the sender's own exact record of the sample (its first visit
+            exactly, plus every decoded delta since), so a delta carries only what the sender's
+            stage changed since (the weights' drift, low-rank on SmolLM2: `inner="lowrank"`) and the
+            first visit's coding error stays in the receiver's memory for good. The sender keeps a
+            second memory of the same size for it.
         inference: what this direction sends at inference (evaluation, `compressed_inference`,
             split `generate`), where AQ-SGD has no memory: `auto` (default: the training codec
             where it was measured to hold within 1% on a real LLM, else `hadamard_outliers` at 6
@@ -98,6 +108,8 @@ class Compression:
             value, 8.0x fewer bytes than fp32 on SmolLM2 with every scale and index counted), or of
             `hadamard_vq`'s codebook of 8-value words, 16..256, a power of two (128: 0.875 bits a
             value, under one bit with the scales: more than 32x fewer bytes than fp32).
+        rank: the rank `lowrank` keeps, 1..256 (two bf16 factors: 2 * rank * (rows + hidden) bytes,
+            rows being every position but the last dimension's).
         sink_and_mean: whether `hadamard_vq` sends each sequence's sink token and the channel
             mean apart (None: yes). False codes them with the rest, 0.2 bits a value fewer on
             SmolLM2, for AQ-SGD's deltas (`inner="hadamard_vq"`), not for activations; measured
@@ -120,6 +132,8 @@ class Compression:
     levels: int | None = None
     sink_and_mean: bool | None = None
     refresh_every: int = 1
+    rank: int | None = None
+    deltas: str = "memory"
 
     def __post_init__(self) -> None:
         owner = "Compression"
@@ -143,6 +157,10 @@ class Compression:
             raise ValueError(f"Compression.refresh_every={self.refresh_every} applies to method='aqsgd' only (its "
                              f"per-sample memory is what a revisit reuses), not to method={self.method!r}. Allowed "
                              "value here: 1.")
+        check_choice(owner, "deltas", self.deltas, DELTA_KINDS)
+        if self.deltas != "memory" and self.method != AQSGD:
+            raise ValueError(f"Compression.deltas={self.deltas!r} applies to method='aqsgd' only (the deltas of its "
+                             f"per-sample memory), not to method={self.method!r}. Allowed value here: 'memory'.")
         if self.method == AQSGD and self.feedback != "none":
             raise ValueError(
                 f"Compression.feedback={self.feedback!r} cannot be combined with method='aqsgd' "
@@ -182,10 +200,12 @@ class Compression:
     def describe(self) -> str:
         """Short label such as `aqsgd-quantize4`, `topk0.1+ef` or, with a compressed warm-up,
         `aqsgd-quantize2 (warm-up hadamard4)` (`... (deltas every 2 revisits) ...` with
-        `refresh_every=2`), for tables and logs (the codec's `label`)."""
+        `refresh_every=2`, `... (drift deltas) ...` with `deltas="drift"`), for tables and logs (the codec's `label`)."""
         label = CODECS[self.codec_name].label(self.codec_params())
         if self.method == AQSGD:
             label = f"aqsgd-{label}"
+            if self.deltas == "drift":
+                label += " (drift deltas)"
             if self.refresh_every != 1:
                 label += f" (deltas every {self.refresh_every} revisits)"
             if isinstance(self.first_visit, Compression):

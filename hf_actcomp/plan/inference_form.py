@@ -42,6 +42,8 @@ def holds_at_inference(compression: Compression) -> bool | None:
         return False
     if method in ("topk", "randk", "topk_quantize", "hadamard_vq"):  # hadamard_vq: under one bit a value
         return False
+    if method == "lowrank":  # for the weights' drift (AQ-SGD deltas), not an activation's content
+        return False
     return None
 
 
@@ -65,7 +67,7 @@ def _stateless_form(compression: Compression) -> Compression:
     """The training codec without AQ-SGD's memory or error feedback."""
     method = compression.inner if compression.method == AQSGD else compression.method
     return replace(compression, method=method, feedback="none", first_visit="full", inference="direct",
-                   refresh_every=1)
+                   refresh_every=1, deltas="memory")
 
 
 def _warn_if_measured_to_break(compression: Compression, what: str) -> None:
