@@ -112,6 +112,11 @@ COMPRESSED_PLANS = {
         num_stages=2, micro_batches=2, schedule=schedule,
         forward=Compression("aqsgd", bits=4, refresh_every=2), backward=Compression("quantize", bits=8),
         memory=MemoryConfig(num_samples=NUM_SAMPLES, dtype="fp32")),
+    # Rank-2 deltas of the drift alone after 4-bit first visits (revisits from step 4).
+    "aqsgd_drift": lambda schedule: Plan(
+        num_stages=2, micro_batches=2, schedule=schedule,
+        forward=Compression("aqsgd", inner="lowrank", rank=2, deltas="drift", first_visit=Compression("quantize", bits=4)),
+        backward=Compression("quantize", bits=8), memory=MemoryConfig(num_samples=NUM_SAMPLES, dtype="fp32")),
     "topk_ef": lambda schedule: Plan(
         num_stages=2, micro_batches=2, schedule=schedule,
         forward=Compression("topk", ratio=0.1, feedback="ef"), backward=Compression("quantize", bits=8)),

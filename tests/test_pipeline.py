@@ -140,12 +140,14 @@ def test_accumulated_steps_and_adamw_match_unsplit_model_with_tied_embeddings(tm
 
 
 @pytest.mark.parametrize("plan_name, schedule", [("aqsgd", "1f1b"), ("topk_ef", "zbh1"), ("aqsgd", "zbh1"),
-                                                ("aqsgd_refresh", "1f1b")])
+                                                ("aqsgd_refresh", "1f1b"), ("aqsgd_drift", "1f1b")])
 def test_compressed_run_matches_simulation(tmp_path, plan_name, schedule):
     """Same plan, seed and batches: the 2-process run gives simulate()'s losses; sender and
     receiver AQ-SGD memories stay identical after every step (zbh1 too: its input gradients
     run in 1F1B's micro-batch order, so error feedback sees the same sequence). `aqsgd_refresh`:
-    revisits that reuse the memory send no message at all, and the ranks stay in step."""
+    revisits that reuse the memory send no message at all, and the ranks stay in step.
+    `aqsgd_drift`: the sender's drift record stays on its rank, and the payloads are the first
+    visits' 4-bit codes, then rank-2 factors."""
     steps = 10 if plan_name == "aqsgd_refresh" else 6
     run_workers("pipeline_worker.py", 2, ["compressed", str(tmp_path), plan_name, str(steps), schedule])
     result = json.loads((tmp_path / "rank0.json").read_text())
@@ -169,6 +171,10 @@ def test_compressed_run_matches_simulation(tmp_path, plan_name, schedule):
         hidden, rows = model.config.hidden_size, (2, 16, model.config.hidden_size)
         deltas = 2 * 2 * build_codec(Compression("quantize", bits=4)).payload_nbytes(rows, torch.float32)
         assert result["stats"]["channels"]["boundary0.forward"]["bytes_sent"] == 4 * 4 * 16 * hidden * 4 + deltas
+    if plan_name == "aqsgd_drift":  # 4 steps of 4-bit first visits, 2 of rank-2 factors, 2 micro-batches each
+        rows = (2, 16, model.config.hidden_size)
+        first = build_codec(Compression("quantize", bits=4)).payload_nbytes(rows, torch.float32)
+        assert result["stats"]["channels"]["boundary0.forward"]["bytes_sent"] == 4 * 2 * first + 2 * 2 * 2 * 2 * (32 + rows[2])
     stats, sim_stats = result["stats"], sim.stats()
     for channel in ("boundary0.forward", "boundary0.backward"):
         assert stats["channels"][channel]["bytes_sent"] == sim_stats["channels"][channel]["bytes_sent"]

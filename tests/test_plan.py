@@ -217,18 +217,25 @@ def test_hadamard_vq_across_several_boundaries_warns():
         Plan(num_stages=3, boundaries=[None, {"forward": vq}])
 
 
-def test_reused_revisits_across_several_boundaries_warn():
-    """`refresh_every` > 1 held on one boundary of SmolLM2 and learned nothing in its reused
-    epoch across three (docs/real_model.md): a plan with it on more than one boundary warns."""
+@pytest.mark.parametrize("one_boundary, measured, two", [
+    (Compression("aqsgd", bits=4, refresh_every=2),
+     r"AQ-SGD refresh_every > 1 on 3 boundaries: on SmolLM2-135M .* learn nothing \(\+2.5% eval loss",
+     "refresh_every > 1 on 2 boundaries"),
+    (Compression("aqsgd", inner="lowrank", rank=4, deltas="drift"),
+     r"AQ-SGD deltas='drift' on 3 boundaries: on SmolLM2-135M .* never corrected, were measured to cost \+2.8% eval loss",
+     "deltas='drift' on 2 boundaries"),
+])
+def test_one_boundary_aqsgd_options_across_several_boundaries_warn(one_boundary, measured, two):
+    """`refresh_every` > 1 (its reused epoch learned nothing) and `deltas="drift"` (the first
+    visits' errors, never corrected) held on one boundary of SmolLM2 and broke across three
+    (docs/real_model.md): a plan with either on more than one boundary warns, naming the measurement."""
     import warnings
 
-    lazy = Compression("aqsgd", bits=4, refresh_every=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        Plan(num_stages=2, forward=lazy)
-        Plan(num_stages=4, forward=Compression("aqsgd", bits=4), boundaries=[None, {"forward": lazy}, None])
-    with pytest.warns(UserWarning, match=r"AQ-SGD refresh_every > 1 on 3 boundaries: on SmolLM2-135M .* learn nothing "
-                                         r"\(\+2.5% eval loss"):
-        Plan(num_stages=4, forward=lazy)
-    with pytest.warns(UserWarning, match="refresh_every > 1 on 2 boundaries"):
-        Plan(num_stages=3, boundaries=[{"forward": lazy}, {"forward": lazy}])
+        Plan(num_stages=2, forward=one_boundary)
+        Plan(num_stages=4, forward=Compression("aqsgd", bits=4), boundaries=[None, {"forward": one_boundary}, None])
+    with pytest.warns(UserWarning, match=measured):
+        Plan(num_stages=4, forward=one_boundary)
+    with pytest.warns(UserWarning, match=two):
+        Plan(num_stages=3, boundaries=[{"forward": one_boundary}, {"forward": one_boundary}])

@@ -150,8 +150,9 @@ class Plan(ConfigMixin):
         self._warn_if_measured_to_break_in_training()
 
     def _warn_if_measured_to_break_in_training(self) -> None:
-        """`hadamard_vq` (under one bit a value) and AQ-SGD's reused revisits (`refresh_every`) held
-        on one boundary of SmolLM2 and broke on three: warn when a plan uses them across more than one."""
+        """`hadamard_vq` (under one bit a value), AQ-SGD's reused revisits (`refresh_every`) and its
+        drift deltas (`deltas="drift"`) held on one boundary of SmolLM2 and broke on three: warn when a
+        plan uses them across more than one."""
         boundaries = range(max(self.num_stages - 1, 1))
         codecs = {c.codec_name for b in boundaries for c in (self.forward_at(b), self.backward_at(b))}
         lazy = sum(self.forward_at(b).refresh_every > 1 for b in boundaries)
@@ -160,6 +161,13 @@ class Plan(ConfigMixin):
                 f"AQ-SGD refresh_every > 1 on {lazy} boundaries: on SmolLM2-135M with 4 stages (3 boundaries) the epoch "
                 "that reuses the memory was measured to learn nothing (+2.5% eval loss in continued training; at 2 "
                 "stages -0.55%: docs/real_model.md). Use it on one boundary, or refresh_every=1 across several.",
+                UserWarning, stacklevel=4)
+        drift = sum(self.forward_at(b).deltas == "drift" for b in boundaries)
+        if drift > 1:
+            warnings.warn(
+                f"AQ-SGD deltas='drift' on {drift} boundaries: on SmolLM2-135M with 4 stages (3 boundaries) the first "
+                "visits' errors, never corrected, were measured to cost +2.8% eval loss in continued training (at 2 "
+                "stages -0.37%: docs/real_model.md). Use it on one boundary, or deltas='memory' across several.",
                 UserWarning, stacklevel=4)
         if "hadamard_vq" in codecs and self.num_stages > 2:
             warnings.warn(
