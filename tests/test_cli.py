@@ -113,6 +113,15 @@ def test_estimate_compressed_warm_up(tmp_path, capsys):
     lazy_entry = json.loads(capsys.readouterr().out)["boundaries"][0]
     assert lazy_entry["forward_bytes"] == -(-entry["forward_bytes"] // 3)
     assert lazy_entry["first_epoch_forward_bytes"] == warm_up
+    # Drift deltas: bf16 rank-2 factors of each micro-batch's (32 x 64 tokens) x 64 matrix, and the
+    # sender's record beside the receiver's memory.
+    drift = Plan(num_stages=2, micro_batches=2, backward=Compression("quantize", bits=4), forward=Compression(
+        "aqsgd", inner="lowrank", rank=2, deltas="drift", first_visit=Compression("hadamard", bits=4)))
+    plan_path.write_text(drift.to_json_string())
+    assert main([*args, "--json"]) == 0
+    drift_entry = json.loads(capsys.readouterr().out)["boundaries"][0]
+    assert drift_entry["forward_bytes"] == 2 * (2 * 2 * (32 * 64 + 64))
+    assert drift_entry["aqsgd_memory_store"].endswith("of stage 1; as much again on stage 0 for its drift record")
 
 
 def test_estimate_diloco_bytes_per_sync_and_step(tmp_path, capsys):

@@ -80,6 +80,8 @@ def estimate(config: PretrainedConfig, plan: Plan, batch_size: int, seq_len: int
             entry["first_visit"] = first_visit_label(compression)
             entry["aqsgd_memory_bytes"] = MemoryStore(samples, memory).nbytes_for((seq_len, hidden))
             entry["aqsgd_memory_store"] = f"{plan.memory.store} of stage {b + 1}"
+            if compression.deltas == "drift":  # the sender's exact record beside its mirror
+                entry["aqsgd_memory_store"] += f"; as much again on stage {b} for its drift record"
         boundaries.append(entry)
     total = sum(e["link_seconds"] for e in boundaries)
     total_raw = sum(e["link_seconds_uncompressed"] for e in boundaries)
