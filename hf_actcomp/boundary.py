@@ -124,8 +124,11 @@ class Boundary:
 
     def adopt_memory(self, old: Boundary) -> None:
         """Take over `old`'s AQ-SGD memory (both AQ-SGD, e.g. another bit width): the entries are
-        what both ends decoded, whatever the codec that will send the next deltas."""
+        what both ends decoded, whatever the codec that will send the next deltas; and the sender's
+        drift record when both take `deltas="drift"`."""
         if self.receiver is not None:
             self.receiver.memory = old.receiver.memory
         if self.sender is not None:
             self.sender.mirror.memory = old.sender.mirror.memory
+            if self.sender.drift is not None and old.sender.drift is not None:  # else it starts from the memory
+                self.sender.drift = old.sender.drift

@@ -272,7 +272,9 @@ class AQSGDSender(Sender):
     visit as it was and every decoded delta added since. Deltas are taken against it instead of
     the receiver's memory (the mirror, which stays an exact copy of the receiver's), so they carry
     the sender stage's drift only: the receiver's memory stays off the exact record by the first
-    visit's coding error, constant from then on.
+    visit's coding error, constant from then on. A sample the record lacks while the receiver has
+    it (a plan switched to drift deltas mid-run, a checkpoint saved without a record) starts from
+    the receiver's memory.
     """
 
     mirror: AQSGDReceiver
@@ -292,7 +294,7 @@ class AQSGDSender(Sender):
             parts.append(self.first_codec.encode(x.index_select(0, new.to(x.device))))
         if seen.numel():
             m = mirror.memory.read(ids[seen], x.device, torch.float32)
-            base = m if self.drift is None else self.drift.read(ids[seen], x.device, torch.float32)
+            base = m if self.drift is None else self._record(ids[seen], m)
             delta = x.index_select(0, seen.to(x.device)).float() - base
             parts.append(self.codec.encode(delta.to(x.dtype)))
         if not parts:  # every row reuses its memory: an empty message
@@ -307,6 +309,14 @@ class AQSGDSender(Sender):
                 self.drift.write(ids[seen], base + decoded)
         return payload
 
+    def _record(self, ids: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        """The drift record of `ids`; the receiver's `memory` for those it has no record of."""
+        known = self.drift.is_seen(ids)
+        if not known.any():
+            return memory
+        record = self.drift.read(ids, memory.device, torch.float32)
+        return torch.where(known.to(memory.device).reshape(-1, *(1,) * (memory.dim() - 1)), record, memory)
+
     def state_dict(self):
         state = super().state_dict()
         state.update(_codec_state("first_codec", self.first_codec))
@@ -317,8 +327,9 @@ class AQSGDSender(Sender):
     def load_state_dict(self, state):
         super().load_state_dict(state)
         _load_codec_state("first_codec", self.first_codec, state)
-        if self.drift is not None:
-            self.drift.load_state_dict(unprefixed(state, "drift"))
+        record = unprefixed(state, "drift")
+        if self.drift is not None and record:  # none saved: every sample starts from the receiver's memory
+            self.drift.load_state_dict(record)
 
 
 # ---------------------------------------------------------------------------------- factory

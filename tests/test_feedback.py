@@ -287,6 +287,36 @@ def test_aqsgd_drift_deltas_carry_the_senders_change_and_keep_the_first_visits_e
     assert torch.equal(resumed.encode(step, sample_ids=ids), sender.encode(step, sample_ids=ids))
 
 
+def test_drift_deltas_start_from_the_receivers_memory_where_the_sender_has_no_record():
+    """A plan switched to drift deltas mid-run (the runner adopts AQ-SGD's memory) or a checkpoint
+    saved without a record: the first revisit's delta is taken against the receiver's memory, and
+    the record starts there; two drift ends hand their record over."""
+    from hf_actcomp.boundary import Boundary
+
+    memory = MemoryConfig(store="host", dtype="fp32", num_samples=4)
+    ids = torch.tensor([0, 2])
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, 8)
+    old = Boundary("b", Compression("aqsgd", bits=4), memory)
+    old.transfer(x, sample_ids=ids)
+    stored = old.receiver.memory.read(ids, "cpu", torch.float32)
+    drift = Compression("aqsgd", inner="lowrank", rank=8, deltas="drift")
+    new = Boundary("b", drift, memory)
+    new.adopt_memory(old)
+    assert new.sender.drift is not None and not new.sender.drift.seen.any()
+    x1 = x + 0.01
+    out = new.transfer(x1, sample_ids=ids)
+    torch.testing.assert_close(out, x1, atol=2e-2, rtol=0)  # rank 8 of a 5 x 8 matrix per sample: the whole delta
+    torch.testing.assert_close(new.sender.drift.read(ids, "cpu", torch.float32), out, atol=1e-6, rtol=0)
+    assert not torch.equal(out, stored)
+    again = Boundary("b", Compression("aqsgd", inner="lowrank", rank=4, deltas="drift"), memory)
+    again.adopt_memory(new)
+    assert again.sender.drift is new.sender.drift
+    resumed = build_sender(drift, memory, "b")  # a state without the record loads; nothing to start from yet
+    resumed.load_state_dict({k: v for k, v in new.sender.state_dict().items() if not k.startswith("drift.")})
+    assert not resumed.drift.seen.any() and resumed.mirror.memory.seen[ids].all()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(method="quantize", bits=4, deltas="drift"),
      "Compression.deltas='drift' applies to method='aqsgd' only (the deltas of its per-sample memory), not to "

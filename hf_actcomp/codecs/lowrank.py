@@ -3,10 +3,11 @@
 An activation is not low-rank (every token carries its own content), but what an epoch of
 fine-tuning changes in it is: the weights move by a small, shared update, so the change of a
 micro-batch's boundary activation, tokens x hidden, lies mostly in a few directions. On SmolLM2-135M
-(docs/real_model.md) rank 4 of one 2 x 128-token micro-batch holds 74-77% of an epoch's drift at
-blocks 4 and 15 and 39% at block 26 (one seed). So this codec is
-meant for `Compression("aqsgd", inner="lowrank", deltas="drift")`, where the deltas are the
-drift alone; at inference it is never used (`inference="auto"` replaces it).
+(benchmarks/results/real_model_delta_statistics.md) rank 4 of a 2 x 128-token micro-batch holds
+74-83% of an epoch's drift at blocks 4 and 15 and 39-43% at block 26 (one run). So this codec is
+meant for `Compression("aqsgd", inner="lowrank", deltas="drift")`, where the deltas are the drift
+alone (measured in training in docs/real_model.md); at inference it is never used
+(`inference="auto"` replaces it).
 
 The tensor is read as a matrix (rows: every position but the last dimension; columns: the last,
 the hidden size); its truncated SVD U S V^T gives two factors, U sqrt(S) and sqrt(S) V^T, each
