@@ -41,6 +41,8 @@ bench-codecs: setup
 	$(PY) benchmarks/codecs.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/codecs.py --codecs hadamard_outliers hadamard_codebook hadamard_vq --shape 2 128 576 \
 		--repeats 9 --name codecs_cpu_vq_2x128x576
+	OMP_NUM_THREADS=1 $(PY) benchmarks/codecs.py --codecs hadamard_vq lowrank --shape 2 128 576 --repeats 9 \
+		--name codecs_cpu_lowrank_2x128x576
 
 bench-outliers: setup
 	$(PY) benchmarks/codecs.py --outliers
